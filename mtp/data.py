@@ -1,0 +1,149 @@
+"""Chat and text datasets -> token ids with a loss mask, length-bucketed batches, and the LightningDataModule."""
+
+import random
+import warnings
+from collections import Counter
+from functools import partial
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+from transformers import PreTrainedTokenizerBase
+
+from mtp.base import DEFAULT_BASE, load_tokenizer
+from mtp.distill import Distill, run_distill
+from mtp.rows import FORMATS, read_rows, to_example
+
+
+def encode(tokenizer: PreTrainedTokenizerBase, example: list[dict] | str, max_length: int):
+    """Token ids and loss mask (assistant tokens of a chat, every token of a text), truncated to max_length.
+
+    Returns (ids, loss_mask) as 1D tensors, or a string saying why the example has nothing to learn.
+    """
+    if isinstance(example, str):
+        ids = tokenizer(example, add_special_tokens=True, truncation=True, max_length=max_length).input_ids
+        return (torch.tensor(ids), torch.ones(len(ids), dtype=torch.bool)) if len(ids) > 1 else "empty text"
+    if not any(m["role"] == "assistant" and m["content"] for m in example):
+        return "no assistant turn"
+    if tokenizer.chat_template is None:
+        raise ValueError("The base tokenizer has no chat template: give plain `text` rows instead of chats.")
+    text = tokenizer.apply_chat_template(example, tokenize=False)
+    spans = []  # character spans of assistant answers, each with its end-of-turn marker
+    for i, message in enumerate(example):
+        if message["role"] == "assistant":
+            prompt = tokenizer.apply_chat_template(example[:i], tokenize=False, add_generation_prompt=True)
+            answered = tokenizer.apply_chat_template(example[: i + 1], tokenize=False)
+            if not (text.startswith(answered) and answered.startswith(prompt)):
+                raise ValueError("The chat template renders a conversation unlike its prefixes: use `text` rows.")
+            spans.append((len(prompt), len(answered)))
+    encoded = tokenizer(
+        text, add_special_tokens=False, return_offsets_mapping=True, truncation=True, max_length=max_length
+    )
+    mask = [any(start <= first < end for start, end in spans) for first, _ in encoded.offset_mapping]
+    if not any(mask):
+        return "no assistant token within max_length"
+    return torch.tensor(encoded.input_ids), torch.tensor(mask)
+
+
+def collate(examples: list[tuple[torch.Tensor, torch.Tensor]], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-pad a batch: input_ids, attention_mask and loss_mask, each (B, T)."""
+    length = max(len(ids) for ids, _ in examples)
+    input_ids = torch.full((len(examples), length), pad_id, dtype=torch.long)  # (B, T)
+    attention_mask = torch.zeros((len(examples), length), dtype=torch.long)  # (B, T)
+    loss_mask = torch.zeros((len(examples), length), dtype=torch.bool)  # (B, T)
+    for row, (ids, mask) in enumerate(examples):
+        input_ids[row, : len(ids)] = ids
+        attention_mask[row, : len(ids)] = 1
+        loss_mask[row, : len(ids)] = mask
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+
+
+def bucket(lengths: list[int], batch_size: int, seed: int = 0) -> list[list[int]]:
+    """Batches of indices of similar length (sorted within shuffled windows of 50 batches): little padding."""
+    order = list(range(len(lengths)))
+    random.Random(seed).shuffle(order)
+    window = 50 * batch_size
+    batches = []
+    for start in range(0, len(order), window):
+        chunk = sorted(order[start : start + window], key=lengths.__getitem__)
+        batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
+    return batches
+
+
+class HeadsDataModule(L.LightningDataModule):
+    def __init__(
+        self,
+        data: str,
+        base_model: str = DEFAULT_BASE,
+        distill: Distill | None = None,
+        split: str = "train",
+        max_length: int = 512,
+        batch_size: int = 8,
+        val_fraction: float = 0.05,
+        seed: int = 0,
+    ):
+        """Training data for the heads.
+
+        Args:
+            data: a .json/.jsonl file, a dataset folder or a `datasets` id, in one of the formats ShareGPT,
+                chat `messages`, Alpaca or `text`. With `distill`, the JSON-lines file that the base model's
+                answers are written to (and resumed from) before training.
+            base_model: whose tokenizer and chat template to apply (linked to the model's base_model).
+            distill: self-distillation: the base model answers these prompts, and the heads learn its answers.
+            split: split of a `datasets` id or dataset folder.
+            max_length: tokens per example; longer ones are truncated.
+            batch_size: examples per batch, grouped by length.
+            val_fraction: share of examples held out for validation.
+            seed: for the validation split and batch grouping.
+        """
+        super().__init__()
+        if not 0 <= val_fraction < 1:
+            raise ValueError(f"val_fraction={val_fraction}: must be in [0, 1).")
+        self.data, self.base_model, self.distill, self.split = data, base_model, distill, split
+        self.max_length, self.batch_size, self.val_fraction, self.seed = max_length, batch_size, val_fraction, seed
+        self.train_batches = self.val_batches = None
+
+    def prepare_data(self) -> None:
+        if self.distill is not None:
+            run_distill(self.distill, self.base_model, self.data)
+
+    def setup(self, stage: str) -> None:
+        if self.train_batches is not None:
+            return
+        tokenizer = load_tokenizer(self.base_model)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        rows = read_rows(self.data, self.split)
+        examples, skipped = [], Counter()
+        for row in rows:
+            example = to_example(row)
+            encoded = f"not {FORMATS}" if example is None else encode(tokenizer, example, self.max_length)
+            if isinstance(encoded, str):
+                skipped[encoded] += 1
+            else:
+                examples.append(encoded)
+        if not examples:
+            raise ValueError(f"No usable row in {self.data!r} ({len(rows)} rows; skipped: {dict(skipped)}).")
+        if skipped:
+            warnings.warn(f"Skipped {sum(skipped.values())} of {len(rows)} rows of {self.data!r}: {dict(skipped)}")
+        random.Random(self.seed).shuffle(examples)
+        num_val = round(self.val_fraction * len(examples)) if len(examples) > 1 else 0
+        num_val = max(num_val, 1) if self.val_fraction > 0 and len(examples) > 1 else num_val
+        self.val_examples, self.train_examples = examples[:num_val], examples[num_val:]
+        self.train_batches = self._batches(self.train_examples)
+        self.val_batches = self._batches(self.val_examples)
+
+    def _batches(self, examples):
+        return [
+            [examples[i] for i in batch]
+            for batch in bucket([len(ids) for ids, _ in examples], self.batch_size, self.seed)
+        ]
+
+    def _loader(self, batches, shuffle: bool) -> DataLoader:
+        # Each item is one pre-grouped batch (batch_size=None), so a distributed sampler splits whole batches.
+        return DataLoader(batches, batch_size=None, shuffle=shuffle, collate_fn=partial(collate, pad_id=self.pad_id))
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_batches, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_batches, shuffle=False)

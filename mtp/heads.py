@@ -1,0 +1,136 @@
+"""Medusa-style heads: head k reads the base model's last hidden state at position t and predicts token t+k+2."""
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.nn import functional as F
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+@dataclass
+class HeadsConfig:
+    """Shape of the heads and the identity of the base model they were trained on."""
+
+    num_heads: int = 4
+    """Number of heads; head k predicts the token k+2 positions ahead."""
+    num_layers: int = 1
+    """Residual blocks per head."""
+    lm_head: str = "shared"
+    """`shared`: project with the base model's frozen lm_head (no extra parameters); `own`: a trainable copy."""
+    base_model: str = ""
+    """Name the base model was loaded by (see `mtp.base.load_base`)."""
+    hidden_size: int = 0
+    vocab_size: int = 0
+    tokenizer_fingerprint: str = ""
+    """sha256 (first 16 hex digits) of the base tokenizer's sorted vocabulary."""
+
+    def __post_init__(self):
+        if self.num_heads < 1:
+            raise ValueError(f"num_heads={self.num_heads}: need at least 1 head.")
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers={self.num_layers}: need at least 1 residual block per head.")
+        if self.lm_head not in ("shared", "own"):
+            raise ValueError(f"lm_head={self.lm_head!r}: choose 'shared' (the base's frozen lm_head) or 'own'.")
+
+    def identity(self) -> str:
+        return (
+            f"{self.base_model!r} (hidden {self.hidden_size}, vocab {self.vocab_size}, "
+            f"tokenizer {self.tokenizer_fingerprint})"
+        )
+
+
+def base_identity(name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> dict:
+    """The fields of `HeadsConfig` that pin the base model."""
+    vocab_size, hidden_size = model.get_output_embeddings().weight.shape
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+    fingerprint = hashlib.sha256(vocab.encode()).hexdigest()[:16]
+    return dict(base_model=name, hidden_size=hidden_size, vocab_size=vocab_size, tokenizer_fingerprint=fingerprint)
+
+
+class ResidualBlock(nn.Module):
+    """x + SiLU(W x + b), zero-initialised so that a new block is the identity."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """`num_heads` stacks of residual blocks, each followed by a vocabulary projection.
+
+    A new head predicts exactly what the base lm_head predicts (the blocks start as the identity and an
+    `own` projection starts as a copy of the base lm_head); training moves head k to token t+k+2.
+    """
+
+    def __init__(self, config: HeadsConfig, lm_head_weight: torch.Tensor | None = None):
+        super().__init__()
+        self.config = config
+        hidden, vocab = config.hidden_size, config.vocab_size
+        # A fresh module per layer and per head: `[ResidualBlock(h)] * n` would share one.
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*(ResidualBlock(hidden) for _ in range(config.num_layers))) for _ in range(config.num_heads)
+        )
+        self.projections = None
+        if config.lm_head == "own":
+            self.projections = nn.ModuleList(nn.Linear(hidden, vocab, bias=False) for _ in range(config.num_heads))
+            if lm_head_weight is not None:
+                for projection in self.projections:
+                    projection.weight.data.copy_(lm_head_weight)
+
+    def forward(self, hidden: torch.Tensor, base_lm_head: nn.Module) -> torch.Tensor:
+        """Logits of every head: hidden (..., H) -> (K, ..., V).
+
+        Args:
+            hidden: the base model's last hidden states (after its final norm).
+            base_lm_head: the base model's output projection, used when `lm_head == "shared"`.
+        """
+        logits = []
+        for k, blocks in enumerate(self.blocks):
+            projection = base_lm_head if self.projections is None else self.projections[k]
+            logits.append(projection(blocks(hidden)))  # (..., V)
+        return torch.stack(logits)  # (K, ..., V)
+
+    def check_base(self, name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+        """Raise if these heads were trained for a base other than (model, tokenizer)."""
+        other = HeadsConfig(**{**asdict(self.config), **base_identity(name, model, tokenizer)})
+        pinned = ("hidden_size", "vocab_size", "tokenizer_fingerprint")
+        if any(getattr(self.config, field) != getattr(other, field) for field in pinned):
+            raise ValueError(
+                f"These heads were trained for base model {self.config.identity()}, not for {other.identity()}: "
+                f"load them with the base they were trained for, or train heads for this base."
+            )
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        """Write `config.json` and `model.safetensors` (heads only, never base weights)."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(asdict(self.config), indent=2) + "\n")
+        save_file(
+            {name: tensor.contiguous() for name, tensor in self.state_dict().items()}, folder / "model.safetensors"
+        )
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path) -> "MedusaHeads":
+        folder = Path(folder)
+        for file in ("config.json", "model.safetensors"):
+            if not (folder / file).is_file():
+                raise FileNotFoundError(
+                    f"{folder / file} does not exist: point at a folder written by save_pretrained."
+                )
+        raw = json.loads((folder / "config.json").read_text())
+        unknown = set(raw) - {field.name for field in fields(HeadsConfig)}
+        if unknown:
+            raise ValueError(f"{folder / 'config.json'} has unknown keys {sorted(unknown)}: not a heads folder?")
+        heads = cls(HeadsConfig(**raw))
+        heads.load_state_dict(load_file(folder / "model.safetensors"))
+        return heads

@@ -1,0 +1,56 @@
+"""The offset rule (head k at position t predicts token t+k+2) and the weighted multi-head loss."""
+
+import torch
+from torch.nn import functional as F
+
+IGNORE = -100
+
+
+def head_offset(k: int) -> int:
+    """How far ahead head k predicts: the base lm_head predicts t+1, so head k predicts t+k+2."""
+    return k + 2
+
+
+def head_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Targets of every head at every position, IGNORE where the target is masked or past the end.
+
+    Args:
+        input_ids: (B, T) token ids.
+        loss_mask: (B, T) bool, True where a token is a training target (assistant tokens, not padding).
+        num_heads: K.
+
+    Returns:
+        (K, B, T) targets: `targets[k, b, t] = input_ids[b, t + k + 2]` where that token is in the loss.
+    """
+    batch, length = input_ids.shape
+    targets = input_ids.new_full((num_heads, batch, length), IGNORE)  # (K, B, T)
+    for k in range(num_heads):
+        offset = head_offset(k)
+        if offset < length:
+            future = input_ids[:, offset:]  # (B, T - offset)
+            targets[k, :, : length - offset] = future.masked_fill(~loss_mask[:, offset:], IGNORE)
+    return targets
+
+
+def default_weights(num_heads: int, decay: float = 0.8) -> list[float]:
+    """Default weight of head k: decay**k (later heads are less accurate and matter less for acceptance)."""
+    return [decay**k for k in range(num_heads)]
+
+
+def heads_loss(logits: torch.Tensor, targets: torch.Tensor, weights: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted sum over heads of the mean cross-entropy over each head's unmasked targets.
+
+    Args:
+        logits: (K, N, V) head logits at N positions.
+        targets: (K, N) targets, IGNORE where masked.
+        weights: K weights.
+
+    Returns:
+        (total loss, (K,) per-head losses); a head with no target in the batch contributes 0.
+    """
+    per_head = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="none")
+    per_head = per_head.view(targets.shape)  # (K, N)
+    counts = (targets != IGNORE).sum(1)  # (K,)
+    per_head = per_head.sum(1) / counts.clamp(min=1)  # (K,)
+    total = (per_head * per_head.new_tensor(weights)).sum()
+    return total, per_head

@@ -1,0 +1,135 @@
+"""LightningModule: a frozen base model plus trainable heads, the multi-head loss and per-head accuracy."""
+
+import math
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+from torchmetrics import MeanMetric
+
+from mtp.base import DEFAULT_BASE, load_base
+from mtp.heads import HeadsConfig, MedusaHeads, base_identity
+from mtp.loss import IGNORE, default_weights, head_targets, heads_loss
+
+TOP_K = (1, 5)
+
+
+class HeadsModule(L.LightningModule):
+    def __init__(
+        self,
+        base_model: str = DEFAULT_BASE,
+        num_heads: int = 4,
+        num_layers: int = 1,
+        lm_head: str = "shared",
+        loss_decay: float = 0.8,
+        loss_weights: list[float] | None = None,
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 50,
+    ):
+        """Medusa-style heads trained by teacher forcing on a frozen base model.
+
+        Args:
+            base_model: the base model (see `mtp.base.load_base`): packaged default, folder, .gguf, .json, hub id.
+            num_heads: head k predicts the token k+2 positions ahead.
+            num_layers: residual blocks per head.
+            lm_head: `shared` (the base's frozen lm_head) or `own` (a trainable copy per head).
+            loss_decay: head k's loss weight is loss_decay**k, unless loss_weights is given.
+            loss_weights: one weight per head.
+            lr: peak AdamW learning rate, reached after warmup_steps, then cosine decay to 0.
+            weight_decay: AdamW weight decay.
+            warmup_steps: linear warmup steps.
+        """
+        super().__init__()
+        self.save_hyperparameters()
+        weights = loss_weights if loss_weights is not None else default_weights(num_heads, loss_decay)
+        if len(weights) != num_heads:
+            raise ValueError(f"loss_weights has {len(weights)} entries for {num_heads} heads: give one per head.")
+        self.weights = weights
+        self.base_model, tokenizer = load_base(base_model)
+        self.base_model.requires_grad_(False)
+        lm_head_weight = self.base_model.get_output_embeddings().weight
+        config = HeadsConfig(num_heads, num_layers, lm_head, **base_identity(base_model, self.base_model, tokenizer))
+        self.heads = MedusaHeads(config, lm_head_weight.detach())
+        self.strict_loading = False  # checkpoints hold the heads only; the base comes from base_model
+        self.metrics = nn.ModuleDict(
+            {
+                f"{stage}_head{k}_top{top}": MeanMetric()
+                for stage in ("train", "val")
+                for k in range(num_heads)
+                for top in TOP_K
+            }
+        )
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.base_model.eval()  # frozen: no dropout, whatever Lightning asks of the module
+        return self
+
+    def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
+        with torch.no_grad():
+            hidden = self.base_model.get_decoder()(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+            ).last_hidden_state  # (B, T, H)
+        targets = head_targets(batch["input_ids"], batch["loss_mask"], len(self.weights))  # (K, B, T)
+        keep = (targets != IGNORE).any(0)  # (B, T): positions where some head has a target
+        targets = targets[:, keep]  # (K, N)
+        logits = self.heads(hidden[keep], self.base_model.get_output_embeddings())  # (K, N, V)
+        loss, per_head = heads_loss(logits, targets, self.weights)
+        batch_size = batch["input_ids"].shape[0]
+        self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=batch_size, sync_dist=stage == "val")
+        # hits[k, n, r]: head k's rank-r guess at position n is the target (MulticlassAccuracy over a
+        # 49k-class vocabulary is orders of magnitude slower than this)
+        hits = logits.detach().topk(max(TOP_K), dim=-1).indices == targets.unsqueeze(-1)  # (K, N, max top)
+        for k in range(len(self.weights)):
+            self.log(f"{stage}/head{k}_loss", per_head[k], batch_size=batch_size, sync_dist=stage == "val")
+            valid = targets[k] != IGNORE  # (N,)
+            for top in TOP_K:
+                metric = self.metrics[f"{stage}_head{k}_top{top}"]
+                metric.update(hits[k, valid, :top].any(-1).float())
+                self.log(
+                    f"{stage}/head{k}_top{top}", metric, prog_bar=top == 1 and stage == "val", batch_size=batch_size
+                )
+        return loss
+
+    def training_step(self, batch, batch_idx):
+        return self._step(batch, "train")
+
+    def validation_step(self, batch, batch_idx):
+        self._step(batch, "val")
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(
+            self.heads.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay
+        )
+        total = max(int(self.trainer.estimated_stepping_batches), 1)
+        warmup = min(self.hparams.warmup_steps, total - 1)
+
+        def scale(step: int) -> float:  # linear warmup, then cosine decay to 0 at the last step
+            if step < warmup:
+                return (step + 1) / (warmup + 1)
+            return 0.5 * (1 + math.cos(math.pi * min(step - warmup, total - warmup) / max(total - warmup, 1)))
+
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, scale)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def state_dict(self, *args, **kwargs):
+        """Heads (and metric state) only: the frozen base is reloaded from base_model, never checkpointed."""
+        state = super().state_dict(*args, **kwargs)
+        return {key: value for key, value in state.items() if not key.startswith("base_model.")}
+
+    def on_fit_end(self) -> None:
+        if self.trainer.is_global_zero:
+            folder = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "heads"
+            self.heads.save_pretrained(folder)
+            metrics = self.trainer.callback_metrics
+            rank_zero_info(f"Heads saved to {folder}")
+            for k in range(len(self.weights)):
+                found = [
+                    f"top-{top} {metrics[f'val/head{k}_top{top}']:.3f}"
+                    for top in TOP_K
+                    if f"val/head{k}_top{top}" in metrics
+                ]
+                rank_zero_info(f"head {k} (token t+{k + 2}) validation accuracy: {', '.join(found) or 'not measured'}")

@@ -1,0 +1,71 @@
+"""Read training and prompt data: JSON, JSON lines, dataset folders and `datasets` ids, in four row formats."""
+
+import json
+from pathlib import Path
+
+import datasets
+
+FORMATS = (
+    "ShareGPT (`conversations`: [{`from`, `value`}]), chat (`messages`: [{`role`, `content`}]), "
+    "Alpaca (`instruction`, optional `input`, `output`) or plain `text`"
+)
+_SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "system": "system",
+}
+
+
+def read_rows(source: str, split: str = "train") -> list[dict]:
+    """Rows of a JSON list or JSON-lines file, a dataset folder, or a Hugging Face `datasets` id."""
+    path = Path(source).expanduser()
+    if path.suffix in (".json", ".jsonl"):
+        if not path.is_file():
+            raise FileNotFoundError(f"Data file {str(path)!r} does not exist: check the path.")
+        text = path.read_text(encoding="utf-8")
+        if path.suffix == ".json" and text.lstrip().startswith("["):
+            return json.loads(text)
+        rows = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as error:
+                    raise ValueError(
+                        f"{path}:{number} is not valid JSON ({error.msg}): fix or delete that line."
+                    ) from None
+        return rows
+    if path.is_dir():
+        if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
+            loaded = datasets.load_from_disk(str(path))
+            return list(loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded)
+        return list(datasets.load_dataset(str(path), split=split))
+    if source.startswith((".", "/", "~")) or source.count("/") > 1:
+        raise FileNotFoundError(f"Data {source!r} does not exist: give a .json/.jsonl file, a folder or a datasets id.")
+    return list(datasets.load_dataset(source, split=split))
+
+
+def to_example(row: dict) -> list[dict] | str | None:
+    """A row as chat messages ([{role, content}]) or plain text; None if its format is not one of FORMATS."""
+    if not isinstance(row, dict):
+        return None
+    if isinstance(row.get("conversations"), list):
+        turns = row["conversations"]
+        if not all(isinstance(turn, dict) and turn.get("from") in _SHAREGPT_ROLES for turn in turns):
+            return None
+        return [{"role": _SHAREGPT_ROLES[turn["from"]], "content": str(turn.get("value", ""))} for turn in turns]
+    if isinstance(row.get("messages"), list):
+        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in row["messages"]):
+            return None
+        return [{"role": m["role"], "content": str(m["content"])} for m in row["messages"]]
+    if "instruction" in row and "output" in row:
+        prompt = "\n\n".join(part for part in (row["instruction"], row.get("input")) if part)
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": row["output"]}]
+    if isinstance(row.get("text"), str):
+        return row["text"]
+    return None

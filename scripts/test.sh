@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up (or reuse) the environment, then run the whole test suite. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/python -m pytest "$@"

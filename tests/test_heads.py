@@ -1,0 +1,94 @@
+import json
+
+import pytest
+import torch
+
+from mtp.heads import HeadsConfig, MedusaHeads, base_identity
+from tests.conftest import TINY_BASE
+
+
+@pytest.fixture
+def config(tiny):
+    model, tokenizer = tiny
+    return HeadsConfig(num_heads=3, num_layers=2, **base_identity(TINY_BASE, model, tokenizer))
+
+
+@pytest.mark.parametrize("lm_head", ["shared", "own"])
+def test_new_heads_predict_what_the_base_lm_head_predicts(tiny, config, lm_head):
+    model, _ = tiny
+    config.lm_head = lm_head
+    lm_head_module = model.get_output_embeddings()
+    heads = MedusaHeads(config, lm_head_module.weight.detach())
+    hidden = torch.randn(2, 5, config.hidden_size)
+    logits = heads(hidden, lm_head_module)  # (K, B, T, V)
+    assert logits.shape == (3, 2, 5, config.vocab_size)
+    for k in range(3):
+        assert torch.allclose(logits[k], lm_head_module(hidden), atol=1e-5)
+
+
+def test_every_layer_of_every_head_is_its_own_module(config):
+    heads = MedusaHeads(config)
+    blocks = [block for head in heads.blocks for block in head]
+    assert len(blocks) == 6 and len({id(block) for block in blocks}) == 6
+    assert len({block.linear.weight.data_ptr() for block in blocks}) == 6
+
+
+def test_shared_heads_have_no_projection_parameters_and_own_heads_do(config):
+    shared = sum(p.numel() for p in MedusaHeads(config).parameters())
+    config.lm_head = "own"
+    own = sum(p.numel() for p in MedusaHeads(config).parameters())
+    assert shared == 3 * 2 * (config.hidden_size**2 + config.hidden_size)
+    assert own == shared + 3 * config.hidden_size * config.vocab_size
+
+
+@pytest.mark.parametrize("lm_head", ["shared", "own"])
+def test_heads_round_trip_through_a_folder(tiny, config, lm_head, tmp_path):
+    model, _ = tiny
+    config.lm_head = lm_head
+    heads = MedusaHeads(config, model.get_output_embeddings().weight.detach())
+    for parameter in heads.parameters():
+        torch.nn.init.normal_(parameter)
+    heads.save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    loaded = MedusaHeads.from_pretrained(tmp_path)
+    assert loaded.config == heads.config
+    for (name, a), (_, b) in zip(heads.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert json.loads((tmp_path / "config.json").read_text())["base_model"] == TINY_BASE
+
+
+def test_heads_refuse_a_base_they_were_not_trained_for(tiny, config, tmp_path):
+    model, tokenizer = tiny
+    heads = MedusaHeads(config)
+    heads.check_base("a copy of the same model", model, tokenizer)  # same identity under another name: fine
+    other = tmp_path / "wider.json"
+    other.write_text(json.dumps({**json.loads(open(TINY_BASE).read()), "hidden_size": 128}))
+    from mtp.base import load_base
+
+    wider, _ = load_base(str(other))
+    with pytest.raises(
+        ValueError, match=r"trained for base model .*tiny-llama.*hidden 64.*not for .*wider.*hidden 128"
+    ):
+        heads.check_base(str(other), wider, tokenizer)
+    tokenizer_vocab = dict(tokenizer.get_vocab())
+
+    class OtherTokenizer:
+        def get_vocab(self):
+            return {**tokenizer_vocab, "<extra>": 0}
+
+    with pytest.raises(ValueError, match="tokenizer"):
+        heads.check_base("same shapes, other tokenizer", model, OtherTokenizer())
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [(dict(num_heads=0), "num_heads=0"), (dict(num_layers=0), "num_layers=0"), (dict(lm_head="tied"), "'shared'")],
+)
+def test_bad_head_config_is_a_clear_error(bad, message):
+    with pytest.raises(ValueError, match=message):
+        HeadsConfig(**bad)
+
+
+def test_loading_from_a_folder_without_heads_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json does not exist"):
+        MedusaHeads.from_pretrained(tmp_path)

@@ -1,0 +1,21 @@
+"""Train heads: `python train.py fit --config configs/<recipe>.yaml [--key value ...]`."""
+
+import torch
+from lightning.pytorch.cli import LightningCLI
+
+from mtp.data import HeadsDataModule
+from mtp.module import HeadsModule
+
+
+class HeadsCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser):
+        parser.link_arguments("model.base_model", "data.base_model")
+
+
+def main(args=None):
+    precision = "bf16-mixed" if torch.cuda.is_available() else "32-true"
+    HeadsCLI(HeadsModule, HeadsDataModule, trainer_defaults={"precision": precision}, args=args)
+
+
+if __name__ == "__main__":
+    main()
