@@ -124,7 +124,9 @@ class HeadsDataModule(L.LightningDataModule):
         if not examples:
             raise ValueError(f"No usable row in {self.data!r} ({len(rows)} rows; skipped: {dict(skipped)}).")
         if skipped:
-            warnings.warn(f"Skipped {sum(skipped.values())} of {len(rows)} rows of {self.data!r}: {dict(skipped)}")
+            warnings.warn(
+                f"Skipped {sum(skipped.values())} of {len(rows)} rows of {self.data!r}: {dict(skipped)}", stacklevel=2
+            )
         random.Random(self.seed).shuffle(examples)
         num_val = round(self.val_fraction * len(examples)) if len(examples) > 1 else 0
         num_val = max(num_val, 1) if self.val_fraction > 0 and len(examples) > 1 else num_val

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from mtp.base import load_base
+from mtp.base import load_base, load_tokenizer
 from mtp.rows import read_rows, to_example
 
 
@@ -19,7 +19,7 @@ class Distill:
     prompts: str
     """File, dataset folder or `datasets` id with the prompts."""
     limit: int | None = None
-    """Answer only the first `limit` usable prompts."""
+    """Answer only the first `limit` prompts that are not too long."""
     max_new_tokens: int = 256
     max_prompt_tokens: int = 512
     """Prompts longer than this (after the chat template) are skipped."""
@@ -54,35 +54,31 @@ def read_done(out: Path) -> set[int]:
 def run_distill(distill: Distill, base_model: str, out: str | Path) -> None:
     """Answer every prompt not yet in `out` (JSON lines of `{index, messages}`), appending as batches finish."""
     out = Path(out)
-    prompts = []
-    for row in read_rows(distill.prompts):
+    tokenizer = load_tokenizer(base_model)
+    prompts = {}  # index of the row in the prompt file -> chat-templated prompt ids
+    for index, row in enumerate(read_rows(distill.prompts)):
         example = to_example(row)
         users = [m["content"] for m in example if m["role"] == "user"] if isinstance(example, list) else [example]
         if users and users[0]:
-            prompts.append(users[0])
-    prompts = prompts[: distill.limit]
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": users[0]}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            if len(ids) <= distill.max_prompt_tokens:
+                prompts[index] = (users[0], ids)
+    selected = list(prompts)[: distill.limit]
     done = read_done(out)
-    todo = [i for i in range(len(prompts)) if i not in done]
+    todo = sorted((i for i in selected if i not in done), key=lambda i: len(prompts[i][1]))  # batch similar lengths
     if not todo:
         return
     model, tokenizer = load_base(base_model)
     tokenizer.padding_side = "left"
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    encoded = {
-        i: tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompts[i]}], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        for i in todo
-    }
-    todo = [i for i in todo if len(encoded[i]) <= distill.max_prompt_tokens]
-    todo.sort(key=lambda i: len(encoded[i]))  # similar lengths batch with little padding
     out.parent.mkdir(parents=True, exist_ok=True)
-    generator_seed = distill.seed
     with out.open("a", encoding="utf-8") as file, tqdm(total=len(todo), desc="self-distilling", unit="prompt") as bar:
         for start in range(0, len(todo), distill.batch_size):
             batch = todo[start : start + distill.batch_size]
-            inputs = tokenizer.pad({"input_ids": [encoded[i] for i in batch]}, return_tensors="pt")
-            torch.manual_seed(generator_seed + start)
+            inputs = tokenizer.pad({"input_ids": [prompts[i][1] for i in batch]}, return_tensors="pt")
+            torch.manual_seed(distill.seed + batch[0])  # reproducible whatever was done before
             with torch.no_grad():
                 output = model.generate(
                     **inputs,
@@ -94,8 +90,11 @@ def run_distill(distill: Distill, base_model: str, out: str | Path) -> None:
                     pad_token_id=pad_id,
                 )
             answers = tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-            for i, answer in zip(batch, answers):
-                messages = [{"role": "user", "content": prompts[i]}, {"role": "assistant", "content": answer.strip()}]
+            for i, answer in zip(batch, answers, strict=True):
+                messages = [
+                    {"role": "user", "content": prompts[i][0]},
+                    {"role": "assistant", "content": answer.strip()},
+                ]
                 file.write(json.dumps({"index": i, "messages": messages}, ensure_ascii=False) + "\n")
             file.flush()
             os.fsync(file.fileno())

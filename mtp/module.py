@@ -121,8 +121,8 @@ class HeadsModule(L.LightningModule):
         return {key: value for key, value in state.items() if not key.startswith("base_model.")}
 
     def on_fit_end(self) -> None:
+        folder = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "heads"  # log_dir: a collective call
         if self.trainer.is_global_zero:
-            folder = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "heads"
             self.heads.save_pretrained(folder)
             metrics = self.trainer.callback_metrics
             rank_zero_info(f"Heads saved to {folder}")

@@ -1,8 +1,11 @@
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
+from mtp.base import load_base
 from mtp.heads import HeadsConfig, MedusaHeads, base_identity
 from tests.conftest import TINY_BASE
 
@@ -52,7 +55,7 @@ def test_heads_round_trip_through_a_folder(tiny, config, lm_head, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
     loaded = MedusaHeads.from_pretrained(tmp_path)
     assert loaded.config == heads.config
-    for (name, a), (_, b) in zip(heads.state_dict().items(), loaded.state_dict().items()):
+    for (name, a), (_, b) in zip(heads.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
     assert json.loads((tmp_path / "config.json").read_text())["base_model"] == TINY_BASE
 
@@ -61,10 +64,9 @@ def test_heads_refuse_a_base_they_were_not_trained_for(tiny, config, tmp_path):
     model, tokenizer = tiny
     heads = MedusaHeads(config)
     heads.check_base("a copy of the same model", model, tokenizer)  # same identity under another name: fine
-    other = tmp_path / "wider.json"
-    other.write_text(json.dumps({**json.loads(open(TINY_BASE).read()), "hidden_size": 128}))
-    from mtp.base import load_base
-
+    shutil.copytree(Path(TINY_BASE).parent, tmp_path / "wider")
+    other = tmp_path / "wider" / "config.json"
+    other.write_text(json.dumps({**json.loads(other.read_text()), "hidden_size": 128}))
     wider, _ = load_base(str(other))
     with pytest.raises(
         ValueError, match=r"trained for base model .*tiny-llama.*hidden 64.*not for .*wider.*hidden 128"

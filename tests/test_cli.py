@@ -1,0 +1,73 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from tests.conftest import ROOT
+from train import main
+
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda path: path.name)
+def test_every_config_parses(config, capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "--config", str(config), "--print_config"])
+    assert done.value.code == 0
+    resolved = yaml.safe_load(capsys.readouterr().out)
+    assert resolved["model"]["base_model"] and "base_model" not in resolved["data"]  # linked from the model
+
+
+def test_an_unknown_config_key_is_a_clear_error(tmp_path, capsys):
+    config = tmp_path / "typo.yaml"
+    config.write_text((ROOT / "configs" / "tiny.yaml").read_text().replace("num_layers:", "num_layayers:"))
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "--config", str(config)])
+    assert done.value.code != 0
+    assert "num_layayers" in capsys.readouterr().err
+
+
+def tiny_run(tmp_path, *overrides):
+    main(["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.default_root_dir", str(tmp_path),
+          "--trainer.enable_progress_bar", "false", *overrides])  # fmt: skip
+    (run,) = (tmp_path / "lightning_logs").iterdir()
+    return run
+
+
+def test_tiny_recipe_trains_20_steps_and_exports_heads_without_base_weights(tmp_path):
+    run = tiny_run(tmp_path)
+    assert yaml.safe_load((run / "config.yaml").read_text())["trainer"]["max_steps"] == 20  # resolved config saved
+    assert sorted(p.name for p in (run / "heads").iterdir()) == ["config.json", "model.safetensors"]
+    tensors = load_file(run / "heads" / "model.safetensors")
+    assert all(name.startswith(("blocks.", "projections.")) for name in tensors)
+    assert next((run / "checkpoints").glob("*step=20.ckpt"))
+
+
+def test_fast_dev_run_of_the_tiny_recipe(tmp_path):
+    main(["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.fast_dev_run", "true",
+          "--trainer.default_root_dir", str(tmp_path)])  # fmt: skip
+
+
+def test_command_line_overrides_reach_the_model(tmp_path):
+    run = tiny_run(tmp_path, "--trainer.max_steps", "2", "--model.num_heads", "2", "--model.lm_head", "shared")
+    heads = yaml.safe_load((run / "heads" / "config.json").read_text())
+    assert (
+        heads["num_heads"] == 2
+        and heads["lm_head"] == "shared"
+        and heads["base_model"] == "configs/models/tiny-llama/config.json"
+    )
+
+
+def test_two_process_ddp_on_cpu(tmp_path):
+    command = [sys.executable, str(ROOT / "train.py"), "fit", "--config", str(ROOT / "configs" / "tiny.yaml"),
+               "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu", "--trainer.devices", "2",
+               "--trainer.max_steps", "4", "--trainer.enable_progress_bar", "false",
+               "--trainer.default_root_dir", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "world_size: 2" in done.stderr or "MEMBER: 2/2" in done.stderr
+    (run,) = Path(tmp_path, "lightning_logs").iterdir()
+    assert (run / "heads" / "model.safetensors").is_file()

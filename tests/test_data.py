@@ -1,0 +1,112 @@
+import json
+
+import datasets
+import pytest
+import torch
+
+from mtp.base import load_tokenizer
+from mtp.data import HeadsDataModule, bucket, collate, encode
+from mtp.rows import read_rows, to_example
+from tests.conftest import TINY_BASE, TINY_CHAT
+
+CHAT = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue, like the sky."}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(TINY_BASE)
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def test_the_four_row_formats_become_the_same_chat():
+    sharegpt = {
+        "conversations": [{"from": "human", "value": CHAT[0]["content"]}, {"from": "gpt", "value": CHAT[1]["content"]}]
+    }
+    alpaca = {"instruction": "Name a colour.", "input": "", "output": "Blue, like the sky."}
+    assert to_example(sharegpt) == to_example({"messages": CHAT}) == to_example(alpaca) == CHAT
+    assert to_example({"instruction": "Name a colour.", "input": "Warm.", "output": "Red."})[0]["content"] == (
+        "Name a colour.\n\nWarm."
+    )
+    assert to_example({"text": "plain"}) == "plain"
+    assert to_example({"question": "?"}) is None and to_example({"messages": [{"from": "x"}]}) is None
+
+
+def test_loss_mask_covers_exactly_the_assistant_answers(tokenizer):
+    chat = CHAT + [{"role": "user", "content": "Another?"}, {"role": "assistant", "content": "Green."}]
+    ids, mask = encode(tokenizer, chat, max_length=512)
+    assert ids.shape == mask.shape
+    learned = tokenizer.decode(ids[mask])
+    assert learned == "Blue, like the sky.<|im_end|>\nGreen.<|im_end|>\n"
+    assert "Name a colour" in tokenizer.decode(ids[~mask]) and "assistant" in tokenizer.decode(ids[~mask])
+
+
+def test_plain_text_is_learned_everywhere_and_truncation_applies(tokenizer):
+    ids, mask = encode(tokenizer, "one two three four five six seven", max_length=4)
+    assert len(ids) == 4 and mask.all()
+    assert encode(tokenizer, CHAT, max_length=5) == "no assistant token within max_length"
+    assert encode(tokenizer, CHAT[:1], max_length=512) == "no assistant turn"
+
+
+def test_collate_pads_right_and_masks_padding():
+    batch = collate(
+        [(torch.tensor([5, 6, 7]), torch.tensor([False, True, True])), (torch.tensor([8]), torch.tensor([True]))]
+    )
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["loss_mask"].tolist() == [[False, True, True], [True, False, False]]
+
+
+def test_bucketing_covers_every_example_once_and_cuts_padding():
+    lengths = [int(x) for x in torch.randint(5, 500, (1000,), generator=torch.Generator().manual_seed(0))]
+    batches = bucket(lengths, batch_size=8)
+    assert sorted(i for batch in batches for i in batch) == list(range(1000))
+
+    def padding(batches):
+        return sum(max(lengths[i] for i in b) * len(b) - sum(lengths[i] for i in b) for b in batches)
+
+    unsorted = [list(range(i, min(i + 8, 1000))) for i in range(0, 1000, 8)]
+    assert padding(batches) < 0.1 * padding(unsorted)
+
+
+def test_datamodule_skips_and_counts_rows_without_an_answer(tmp_path):
+    rows = [{"messages": CHAT}] * 6 + [{"messages": CHAT[:1]}, {"question": "not a known format"}]
+    data = HeadsDataModule(write_jsonl(tmp_path / "chat.jsonl", rows), TINY_BASE, batch_size=2, val_fraction=0.2)
+    with pytest.warns(UserWarning, match=r"Skipped 2 of 8 rows.*'no assistant turn': 1.*not ShareGPT.*: 1"):
+        data.setup("fit")
+    assert len(data.train_examples) + len(data.val_examples) == 6 and len(data.val_examples) == 1
+    batch = next(iter(data.train_dataloader()))
+    assert batch["input_ids"].shape[0] == 2 and batch["loss_mask"].any()
+
+
+def test_all_rows_bad_is_an_error(tmp_path):
+    data = HeadsDataModule(write_jsonl(tmp_path / "bad.jsonl", [{"messages": CHAT[:1]}] * 3), TINY_BASE)
+    with pytest.raises(ValueError, match=r"No usable row.*3 rows.*no assistant turn"):
+        data.setup("fit")
+
+
+def test_missing_and_malformed_files_are_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        read_rows(str(tmp_path / "missing.jsonl"))
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(json.dumps({"messages": CHAT}) + "\n{not json\n")
+    with pytest.raises(ValueError, match=r"broken.jsonl:2 is not valid JSON"):
+        read_rows(str(broken))
+
+
+def test_sharegpt_json_alpaca_json_and_a_dataset_folder_load(tmp_path, tokenizer):
+    sharegpt = tmp_path / "sharegpt.json"
+    sharegpt.write_text(
+        json.dumps(
+            [{"id": "a", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]}]
+        )
+    )
+    alpaca = tmp_path / "alpaca.json"
+    alpaca.write_text(json.dumps([{"instruction": "Hi", "input": "", "output": "Hello"}]))
+    datasets.Dataset.from_list([{"messages": CHAT}]).save_to_disk(str(tmp_path / "saved"))
+    assert to_example(read_rows(str(sharegpt))[0]) == to_example(read_rows(str(alpaca))[0])
+    assert to_example(read_rows(str(tmp_path / "saved"))[0]) == CHAT
+    assert read_rows(TINY_CHAT) and all(to_example(row) for row in read_rows(TINY_CHAT))

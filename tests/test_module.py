@@ -1,0 +1,113 @@
+import json
+import random
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from safetensors.torch import load_file
+
+from mtp.base import load_tokenizer
+from mtp.data import HeadsDataModule
+from mtp.heads import MedusaHeads
+from mtp.module import HeadsModule
+from tests.conftest import TINY_BASE, TINY_CHAT
+
+
+def trainer(tmp_path, max_steps, callbacks=(), **kwargs):
+    return L.Trainer(
+        max_steps=max_steps,
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        callbacks=list(callbacks),
+        **kwargs,
+    )
+
+
+def test_training_leaves_the_base_untouched_and_optimises_only_the_heads(tmp_path):
+    module = HeadsModule(TINY_BASE, num_heads=3, lm_head="own", lr=1e-2)
+    base_before = {name: tensor.clone() for name, tensor in module.base_model.state_dict().items()}
+    heads_before = {name: tensor.clone() for name, tensor in module.heads.state_dict().items()}
+    fit = trainer(tmp_path, max_steps=5, limit_val_batches=0)
+    fit.fit(module, HeadsDataModule(TINY_CHAT, TINY_BASE, batch_size=4))
+
+    for name, tensor in module.base_model.state_dict().items():
+        assert torch.equal(tensor, base_before[name]), name
+    assert all(not p.requires_grad and p.grad is None for p in module.base_model.parameters())
+    assert not module.base_model.training
+    assert any(not torch.equal(t, heads_before[n]) for n, t in module.heads.state_dict().items())  # heads moved
+    optimised = {id(p) for group in fit.optimizers[0].param_groups for p in group["params"]}
+    assert optimised == {id(p) for p in module.heads.parameters()}
+
+    checkpoint = torch.load(next((tmp_path / "checkpoints").glob("*.ckpt")), weights_only=True)
+    assert checkpoint["state_dict"] and all(key.startswith("heads.") for key in checkpoint["state_dict"])
+    exported = tmp_path / "heads"
+    assert sorted(p.name for p in exported.iterdir()) == ["config.json", "model.safetensors"]
+    assert set(load_file(exported / "model.safetensors")) == {f"{k}" for k in module.heads.state_dict()}
+    loaded = MedusaHeads.from_pretrained(exported)
+    assert all(torch.equal(loaded.state_dict()[n], t) for n, t in module.heads.state_dict().items())
+
+
+def cycle_rows(path, rows=40, length=24, seed=0):
+    """Plain text where every word is one token and is always followed by the same next word: tokens
+    t+2, t+3, ... follow from token t."""
+    tokenizer = load_tokenizer(TINY_BASE)
+    words = sorted(w[1:] for w in tokenizer.get_vocab() if w.startswith("Ġ") and w[1:].isalpha() and len(w) > 3)
+    rng = random.Random(seed)
+    rng.shuffle(words)
+    words = words[:16]
+    assert len(tokenizer(" " + " ".join(words)).input_ids) == 16  # one token per word
+    with open(path, "w") as file:
+        for _ in range(rows):
+            start = rng.randrange(16)
+            file.write(json.dumps({"text": "".join(" " + words[(start + i) % 16] for i in range(length))}) + "\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("lm_head", ["shared", "own"])
+def test_heads_learn_a_predictable_future_far_above_chance(tmp_path, lm_head):
+    data = HeadsDataModule(cycle_rows(tmp_path / "cycle.jsonl"), TINY_BASE, batch_size=8, val_fraction=0.125)
+    module = HeadsModule(TINY_BASE, num_heads=3, lm_head=lm_head, lr=3e-3, warmup_steps=10)
+    fit = trainer(tmp_path, max_steps=120, check_val_every_n_epoch=None, val_check_interval=120)
+    fit.fit(module, data)
+    for k in range(3):  # one of 16 words follows: chance is 1/16
+        assert fit.callback_metrics[f"val/head{k}_top1"] > 0.75, (k, fit.callback_metrics)
+
+
+class Crash(Callback):
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.global_step == 5:
+            raise RuntimeError("simulated crash")
+
+
+class FirstStep(Callback):
+    first = None
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.first = trainer.global_step if self.first is None else self.first
+
+
+def test_a_run_stopped_midway_resumes_at_the_step_it_reached(tmp_path):
+    data = HeadsDataModule(TINY_CHAT, TINY_BASE, batch_size=4)
+    every_2 = dict(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_last=True)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        trainer(tmp_path, 8, [ModelCheckpoint(**every_2), Crash()], limit_val_batches=0).fit(
+            HeadsModule(TINY_BASE), data
+        )
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["state_dict"]
+
+    module, first = HeadsModule(TINY_BASE), FirstStep()
+    resumed = trainer(tmp_path, 8, [ModelCheckpoint(**every_2), first], limit_val_batches=0)
+    resumed.fit(
+        module, HeadsDataModule(TINY_CHAT, TINY_BASE, batch_size=4), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt")
+    )
+    assert first.first == 4 and resumed.global_step == 8
+    assert not all(torch.equal(module.state_dict()[key], value) for key, value in saved.items())  # it trained on
+
+
+def test_loss_weights_must_match_the_number_of_heads():
+    with pytest.raises(ValueError, match="loss_weights has 2 entries for 4 heads"):
+        HeadsModule(TINY_BASE, num_heads=4, loss_weights=[1.0, 0.5])
