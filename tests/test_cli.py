@@ -31,7 +31,7 @@ def test_an_unknown_config_key_is_a_clear_error(tmp_path, capsys):
 
 
 def tiny_run(tmp_path, *overrides):
-    main(["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.default_root_dir", str(tmp_path),
+    main(["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.logger.init_args.save_dir", str(tmp_path),
           "--trainer.enable_progress_bar", "false", *overrides])  # fmt: skip
     (run,) = (tmp_path / "lightning_logs").iterdir()
     return run
@@ -48,7 +48,7 @@ def test_tiny_recipe_trains_20_steps_and_exports_heads_without_base_weights(tmp_
 
 def test_fast_dev_run_of_the_tiny_recipe(tmp_path):
     main(["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.fast_dev_run", "true",
-          "--trainer.default_root_dir", str(tmp_path)])  # fmt: skip
+          "--trainer.logger.init_args.save_dir", str(tmp_path)])  # fmt: skip
 
 
 def test_command_line_overrides_reach_the_model(tmp_path):
@@ -65,7 +65,7 @@ def test_two_process_ddp_on_cpu(tmp_path):
     command = [sys.executable, str(ROOT / "train.py"), "fit", "--config", str(ROOT / "configs" / "tiny.yaml"),
                "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu", "--trainer.devices", "2",
                "--trainer.max_steps", "4", "--trainer.enable_progress_bar", "false",
-               "--trainer.default_root_dir", str(tmp_path)]  # fmt: skip
+               "--trainer.logger.init_args.save_dir", str(tmp_path)]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "world_size: 2" in done.stderr or "MEMBER: 2/2" in done.stderr
