@@ -1,6 +1,7 @@
 """LightningModule: a frozen base model plus trainable heads, the multi-head loss and per-head accuracy."""
 
 import math
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -14,6 +15,8 @@ from mtp.heads import HeadsConfig, MedusaHeads, base_identity
 from mtp.loss import IGNORE, default_weights, head_targets, heads_loss
 
 TOP_K = (1, 5)
+# Lightning warns about modules in eval mode when training starts: the frozen base is, on purpose.
+warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode")
 
 
 class HeadsModule(L.LightningModule):

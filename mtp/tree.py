@@ -1,0 +1,68 @@
+"""Candidate trees: which top-k ranks of which heads a decoding step verifies, in one forward pass.
+
+A tree is given by its paths (the Medusa "choices" format): a path `(r1, r2, ..., rd)` is the node reached
+by taking rank r1 of head 0, then rank r2 of head 1, and so on. Node 0 is the root: the token the base model
+itself chose last. A node at depth d holds a guess for the token d positions after the root.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+Path = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Tree:
+    paths: tuple[Path, ...]
+    """The N non-root nodes in breadth-first order (by depth, then by ranks): node i + 1 is paths[i]."""
+    parents: torch.Tensor
+    """(N+1,) index of each node's parent; -1 for the root."""
+    depths: torch.Tensor
+    """(N+1,) depth of each node (root 0); also each node's position offset from the root."""
+    ranks: torch.Tensor
+    """(N+1,) rank of each node's token in its head's top-k (root -1)."""
+    mask: torch.Tensor
+    """(N+1, N+1) bool: mask[i, j] iff node j is node i or one of its ancestors."""
+    retrieve: torch.Tensor
+    """(L, D+1) node indices of the L root-to-leaf paths, each padded with -1 after its leaf."""
+
+    @classmethod
+    def from_paths(cls, paths, num_heads: int | None = None, top_k: int | None = None) -> "Tree":
+        """Build a tree, checking that every prefix of a path is a path too and that ranks and depths fit.
+
+        Args:
+            paths: iterable of rank tuples; order and duplicates do not matter.
+            num_heads: if given, no path may be deeper than this (head d-1 guesses depth d).
+            top_k: if given, every rank must be below this.
+        """
+        ordered = tuple(sorted({tuple(int(r) for r in path) for path in paths}, key=lambda p: (len(p), p)))
+        index = {(): 0} | {path: i + 1 for i, path in enumerate(ordered)}
+        for path in ordered:
+            if not path:
+                raise ValueError("The empty path is the root and is always there: leave it out.")
+            if path[:-1] not in index:
+                raise ValueError(f"Path {path} has no parent path {path[:-1]}: add it, every prefix must be a path.")
+            if min(path) < 0 or (top_k is not None and max(path) >= top_k):
+                raise ValueError(f"Path {path} has a rank outside 0..{(top_k or 1) - 1}: use ranks below top_k.")
+            if num_heads is not None and len(path) > num_heads:
+                raise ValueError(f"Path {path} is {len(path)} deep, but there are only {num_heads} heads.")
+        size = len(ordered) + 1
+        parents = torch.tensor([-1] + [index[path[:-1]] for path in ordered])  # (N+1,)
+        mask = torch.eye(size, dtype=torch.bool)  # (N+1, N+1)
+        for node in range(1, size):  # parents come first in breadth-first order, so their rows are complete
+            mask[node] |= mask[parents[node]]
+        depths = mask.sum(-1) - 1  # (N+1,): a node sees itself and its ancestors
+        inner = {path[:-1] for path in ordered}
+        leaves = [path for path in ordered if path not in inner] or [()]  # a root-only tree: the root is the leaf
+        retrieve = torch.full((len(leaves), int(depths.max()) + 1), -1)  # (L, D+1)
+        retrieve[:, 0] = 0
+        for row, leaf in enumerate(leaves):
+            retrieve[row, 1 : len(leaf) + 1] = torch.tensor([index[leaf[:d]] for d in range(1, len(leaf) + 1)])
+        ranks = torch.tensor([-1] + [path[-1] for path in ordered])  # (N+1,)
+        return cls(ordered, parents, depths, ranks, mask, retrieve)
+
+    @property
+    def size(self) -> int:
+        """Number of nodes, root included: the tokens one verification pass feeds the base model."""
+        return len(self.paths) + 1
