@@ -1,0 +1,189 @@
+"""The decoding loop: propose a tree of candidates with the heads, verify it in one forward pass of the base
+model, accept the longest prefix the base model itself would produce, append, stop?"""
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from mtp.cache import keep_accepted
+from mtp.heads import MedusaHeads
+from mtp.tree import Tree
+
+
+@dataclass
+class GenerationResult:
+    """What one `generate` call produced.
+
+    `tau` is new tokens per verification forward pass of the base model: len(token_ids) / forward_passes,
+    where forward_passes counts the passes after the prefill (the prefill, which yields the first new token,
+    is not counted). Plain one-token decoding has tau = n / (n - 1), a little above 1.
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    """`stop` (an EOS token or a stop sequence) or `length` (max_new_tokens reached)."""
+    stop_sequence: str | None = None
+    """The caller's stop sequence that ended generation, if one did."""
+    forward_passes: int = 0
+    accept_lengths: list[int] = field(default_factory=list)
+    """Tokens accepted per verification pass, the bonus token included."""
+    seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        return len(self.token_ids) / max(self.forward_passes, 1)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.token_ids) / self.seconds if self.seconds else 0.0
+
+
+class Decoder:
+    """Lossless greedy decoding of `base_model` with `heads` proposing a `tree` of candidates each step.
+
+    Without heads, every step verifies the root alone: plain one-token decoding through the same loop.
+    """
+
+    def __init__(
+        self,
+        base_model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        heads: MedusaHeads | None = None,
+        tree: Tree | None = None,
+    ):
+        if base_model.config._attn_implementation not in ("eager", "sdpa"):
+            raise ValueError(
+                f"Attention implementation {base_model.config._attn_implementation!r} of "
+                f"{base_model.config.model_type} takes no custom 4D tree mask: load it with attn_implementation='sdpa'."
+            )
+        self.base_model, self.tokenizer, self.heads = base_model, tokenizer, heads
+        self.tree = tree if heads is not None and tree is not None else Tree.from_paths([])
+        if heads is not None and self.tree.size > 1:
+            Tree.from_paths(self.tree.paths, num_heads=heads.config.num_heads)  # check the depth fits the heads
+        eos = base_model.generation_config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.top_k = int(self.tree.ranks.max()) + 1 if self.tree.size > 1 else 1
+
+    def encode(self, prompt: str | list[dict]) -> torch.Tensor:
+        """Prompt ids (1, T): chat messages go through the chat template, a string is taken as it is."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt, return_tensors="pt").input_ids
+        else:
+            ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_tensors="pt",
+                                                     return_dict=True)["input_ids"]  # fmt: skip
+        if ids.shape[1] == 0 or (isinstance(prompt, str) and not prompt.strip()):
+            raise ValueError("The prompt is empty: give some text or at least one message.")
+        limit = getattr(self.base_model.config, "max_position_embeddings", None)
+        if limit is not None and ids.shape[1] >= limit:
+            raise ValueError(f"The prompt has {ids.shape[1]} tokens, but the model's context window is {limit}.")
+        return ids
+
+    @torch.no_grad()
+    def steps(self, input_ids: torch.Tensor) -> Iterator[list[int]]:
+        """Yield the tokens each pass settles: the prefill's first token, then per step the accepted candidates
+        and the bonus token. Runs until the caller stops iterating."""
+        device = self.base_model.device
+        backbone, lm_head = self.base_model.get_decoder(), self.base_model.get_output_embeddings()
+        tree = self.tree
+        tree_mask = torch.zeros(tree.size, tree.size, device=device)  # additive: 0 attends, min blocks
+        tree_mask.masked_fill_(~tree.mask.to(device), torch.finfo(self.base_model.dtype).min)
+        cache = DynamicCache(config=self.base_model.config)
+        hidden = backbone(input_ids=input_ids.to(device), cache=cache, use_cache=True).last_hidden_state
+        prefix_len = input_ids.shape[1]
+        root = int(lm_head(hidden[0, -1]).argmax())
+        last_hidden = hidden[0, -1]  # (H,) the last accepted position's hidden state
+        yield [root]
+        while True:
+            tokens = torch.tensor([root], device=device)  # (1,) root only
+            if tree.size > 1:
+                guesses = self.heads(last_hidden, lm_head).topk(self.top_k, dim=-1).indices  # (K, top_k)
+                tokens = torch.cat([tokens, guesses[tree.depths[1:] - 1, tree.ranks[1:]]])  # (N+1,)
+            positions = prefix_len + tree.depths.to(device)  # (N+1,) a node sits at its depth past the root
+            mask = torch.cat([torch.zeros(tree.size, prefix_len, device=device), tree_mask], 1)  # (N+1, P+N+1)
+            hidden = backbone(
+                input_ids=tokens[None],
+                position_ids=positions[None],
+                attention_mask=mask[None, None].to(hidden.dtype),
+                cache=cache,
+                use_cache=True,
+            ).last_hidden_state[0]  # (N+1, H)
+            predictions = lm_head(hidden).argmax(-1)  # (N+1,) the base model's choice after each node
+            # Greedy acceptance: along each root-to-leaf path, node d+1 is right iff its token is the base model's
+            # prediction at node d; the path's accepted length is the number of leading right nodes.
+            paths = tree.retrieve.to(device)  # (L, D+1)
+            children = paths[:, 1:]  # (L, D)
+            right = (children >= 0) & (tokens[children.clamp(min=0)] == predictions[paths[:, :-1].clamp(min=0)])
+            accepted = right.int().cumprod(1).sum(1)  # (L,)
+            best = int(accepted.argmax())
+            nodes = paths[best, : int(accepted[best]) + 1]  # (A+1,) root and accepted candidates
+            keep_accepted(cache, prefix_len, nodes)
+            prefix_len += len(nodes)
+            root = int(predictions[nodes[-1]])  # the bonus token
+            last_hidden = hidden[nodes[-1]]
+            yield tokens[nodes[1:]].tolist() + [root]
+
+    def stream(self, prompt: str | list[dict], max_new_tokens: int = 128, stop: list[str] = ()) -> Iterator[str]:
+        """Yield the generated text as it is settled, never any text past a stop sequence."""
+        yield from self._run(prompt, max_new_tokens, stop, GenerationResult("", [], "length"))
+
+    def generate(self, prompt: str | list[dict], max_new_tokens: int = 128, stop: list[str] = ()) -> GenerationResult:
+        """Generate greedily: token for token what the base model alone would generate.
+
+        Args:
+            prompt: chat messages (put through the chat template) or text (tokenized as it is).
+            max_new_tokens: at most this many new tokens, exactly this many unless generation stops first.
+            stop: stop sequences, matched on the decoded text; the result ends before the first one found.
+        """
+        result = GenerationResult("", [], "length")
+        for _ in self._run(prompt, max_new_tokens, stop, result):
+            pass
+        return result
+
+    def _run(self, prompt, max_new_tokens: int, stop, result: GenerationResult) -> Iterator[str]:
+        start = time.perf_counter()
+        stop = [s for s in stop if s]
+        input_ids = self.encode(prompt)
+        shown = 0  # characters of text already yielded
+        if max_new_tokens <= 0:
+            return
+        for passes, settled in enumerate(self.steps(input_ids)):
+            if passes:  # the prefill is not a verification pass
+                result.forward_passes += 1
+                result.accept_lengths.append(len(settled))
+            for token in settled:
+                if token in self.eos_ids:
+                    result.finish_reason = "stop"
+                    break
+                result.token_ids.append(token)
+                if len(result.token_ids) == max_new_tokens:
+                    break
+            text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+            found = [(text.find(s), s) for s in stop if s in text]
+            if found:  # the earliest stop sequence ends the text; keep the tokens wholly before it
+                cut, result.stop_sequence = min(found)
+                result.finish_reason, text = "stop", text[:cut]
+                while len(self.tokenizer.decode(result.token_ids, skip_special_tokens=True)) > cut:
+                    result.token_ids.pop()
+            result.text, result.seconds = text, time.perf_counter() - start
+            done = result.finish_reason == "stop" or len(result.token_ids) == max_new_tokens
+            visible = len(text) if done else _holdback(text, stop)
+            if visible > shown:
+                yield text[shown:visible]
+                shown = visible
+            if done:
+                return
+
+
+def _holdback(text: str, stop: list[str]) -> int:
+    """How much of `text` is safe to show: not an unfinished character, nor a possible start of a stop sequence."""
+    safe = len(text.rstrip("\ufffd"))
+    for s in stop:
+        for size in range(min(len(s) - 1, safe), 0, -1):
+            if text[:safe].endswith(s[:size]):
+                safe -= size
+                break
+    return safe

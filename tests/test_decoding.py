@@ -1,0 +1,145 @@
+"""Tree decoding is lossless: greedy output equals the base model's own greedy output, token for token."""
+
+import types
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+from mtp.base import load_tokenizer
+from mtp.cache import keep_accepted
+from mtp.decoding import Decoder
+from mtp.heads import HeadsConfig, MedusaHeads
+from mtp.tree import Tree
+from tests.conftest import TINY_BASE
+
+PROMPT = "Count from 3 to 40: 3, 4, 5, 6,"
+TREE = Tree.from_paths([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)])
+
+
+def tiny_model(model_type="llama", eos=None, seed=0):
+    """A random 2-layer model of `model_type` over the tiny tokenizer; eos=None so runs cannot stop early."""
+    config = AutoConfig.for_model(
+        model_type, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, eos_token_id=eos, bos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.generation_config.eos_token_id = eos
+    return model
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(TINY_BASE)
+
+
+def reference(model, input_ids, max_new_tokens):
+    """The base model's own greedy continuation (min_new_tokens: no early stop whatever the config says)."""
+    out = model.generate(input_ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, input_ids.shape[1] :].tolist()
+
+
+class OracleHeads(nn.Module):
+    """Heads that know the future: they look up which position of a reference causal run the given hidden state
+    belongs to and put all their mass on the true tokens t+2 .. t+K+1."""
+
+    def __init__(self, model, sequence: torch.Tensor, num_heads: int):
+        super().__init__()
+        with torch.no_grad():
+            self.hidden = model.get_decoder()(input_ids=sequence[None]).last_hidden_state[0]  # (T, H)
+        self.sequence, self.vocab = sequence, model.config.vocab_size
+        self.config = types.SimpleNamespace(num_heads=num_heads)
+
+    def forward(self, hidden, lm_head):
+        t = int((self.hidden - hidden).abs().amax(-1).argmin())
+        logits = torch.zeros(self.config.num_heads, self.vocab)  # (K, V)
+        for k in range(self.config.num_heads):
+            if t + k + 2 < len(self.sequence):
+                logits[k, self.sequence[t + k + 2]] = 1.0
+        return logits
+
+
+def random_heads(model, num_heads=4, seed=1):
+    torch.manual_seed(seed)
+    heads = MedusaHeads(HeadsConfig(num_heads=num_heads, hidden_size=64, vocab_size=model.config.vocab_size))
+    for parameter in heads.parameters():
+        nn.init.normal_(parameter, std=0.5)
+    return heads
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral", "phi3", "gpt_neox"])
+def test_random_heads_give_the_base_models_greedy_output(model_type, tokenizer):
+    model = tiny_model(model_type)
+    input_ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    result = Decoder(model, tokenizer, random_heads(model), TREE).generate(PROMPT, max_new_tokens=40)
+    assert result.token_ids == reference(model, input_ids, 40)
+    assert result.finish_reason == "length" and result.forward_passes == len(result.accept_lengths)
+    assert sum(result.accept_lengths) >= 40 - 1  # every pass settles at least its bonus token
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral", "phi3", "gpt_neox"])
+def test_oracle_heads_give_the_same_output_in_far_fewer_passes(model_type, tokenizer):
+    model = tiny_model(model_type)
+    input_ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    expected = reference(model, input_ids, 48)
+    oracle = OracleHeads(model, torch.cat([input_ids[0], torch.tensor(expected)]), num_heads=4)
+    result = Decoder(model, tokenizer, oracle, TREE).generate(PROMPT, max_new_tokens=40)
+    assert result.token_ids == expected[:40]
+    assert sum(n > 1 for n in result.accept_lengths) > 0.8 * len(result.accept_lengths)  # most steps accept more
+    assert result.tau > 3
+
+
+def test_without_heads_the_loop_is_plain_greedy_decoding(tokenizer):
+    model = tiny_model()
+    result = Decoder(model, tokenizer).generate(PROMPT, max_new_tokens=20)
+    assert result.token_ids == reference(model, tokenizer(PROMPT, return_tensors="pt").input_ids, 20)
+    assert result.accept_lengths == [1] * 19 and result.forward_passes == 19
+
+
+def test_tree_attention_equals_causal_attention_along_every_path(tokenizer):
+    model = tiny_model()
+    prefix = tokenizer(PROMPT, return_tensors="pt").input_ids  # (1, P)
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 512, (TREE.size,))  # any token at any node
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(prefix, cache=cache, use_cache=True)
+        mask = torch.zeros(TREE.size, prefix.shape[1] + TREE.size)
+        mask[:, prefix.shape[1] :].masked_fill_(~TREE.mask, torch.finfo(torch.float32).min)
+        tree_logits = model(
+            tokens[None],
+            cache=cache,
+            attention_mask=mask[None, None],
+            position_ids=(prefix.shape[1] + TREE.depths)[None],
+        ).logits[0]  # (N+1, V)
+        for path in TREE.retrieve:
+            nodes = path[path >= 0]
+            causal = model(torch.cat([prefix[0], tokens[nodes]])[None]).logits[0, prefix.shape[1] :]  # (len, V)
+            torch.testing.assert_close(tree_logits[nodes], causal, atol=1e-5, rtol=1e-4)
+
+
+def test_the_cache_after_acceptance_equals_a_causal_run(tokenizer):
+    model = tiny_model()
+    prefix = tokenizer(PROMPT, return_tensors="pt").input_ids
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 512, (TREE.size,))
+    nodes = TREE.retrieve[-1][TREE.retrieve[-1] >= 0][:3]  # root, then two accepted candidates on the deepest path
+    cache, causal = DynamicCache(), DynamicCache()
+    with torch.no_grad():
+        model(prefix, cache=cache, use_cache=True)
+        mask = torch.zeros(TREE.size, prefix.shape[1] + TREE.size)
+        mask[:, prefix.shape[1] :].masked_fill_(~TREE.mask, torch.finfo(torch.float32).min)
+        model(
+            tokens[None],
+            cache=cache,
+            attention_mask=mask[None, None],
+            position_ids=(prefix.shape[1] + TREE.depths)[None],
+        )
+        keep_accepted(cache, prefix.shape[1], nodes)
+        model(torch.cat([prefix[0], tokens[nodes]])[None], cache=causal, use_cache=True)
+    assert cache.get_seq_length() == causal.get_seq_length() == prefix.shape[1] + 3
+    for ours, theirs in zip(cache.layers, causal.layers, strict=True):
+        torch.testing.assert_close(ours.keys, theirs.keys, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(ours.values, theirs.values, atol=1e-5, rtol=1e-4)
