@@ -22,9 +22,9 @@ class GenerationResult:
     is not counted). Plain one-token decoding has tau = n / (n - 1), a little above 1.
     """
 
-    text: str
-    token_ids: list[int]
-    finish_reason: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = "length"
     """`stop` (an EOS token or a stop sequence) or `length` (max_new_tokens reached)."""
     stop_sequence: str | None = None
     """The caller's stop sequence that ended generation, if one did."""
@@ -126,10 +126,6 @@ class Decoder:
             last_hidden = hidden[nodes[-1]]
             yield tokens[nodes[1:]].tolist() + [root]
 
-    def stream(self, prompt: str | list[dict], max_new_tokens: int = 128, stop: list[str] = ()) -> Iterator[str]:
-        """Yield the generated text as it is settled, never any text past a stop sequence."""
-        yield from self._run(prompt, max_new_tokens, stop, GenerationResult("", [], "length"))
-
     def generate(self, prompt: str | list[dict], max_new_tokens: int = 128, stop: list[str] = ()) -> GenerationResult:
         """Generate greedily: token for token what the base model alone would generate.
 
@@ -138,12 +134,17 @@ class Decoder:
             max_new_tokens: at most this many new tokens, exactly this many unless generation stops first.
             stop: stop sequences, matched on the decoded text; the result ends before the first one found.
         """
-        result = GenerationResult("", [], "length")
-        for _ in self._run(prompt, max_new_tokens, stop, result):
+        result = GenerationResult()
+        for _ in self.stream(prompt, max_new_tokens, stop, result):
             pass
         return result
 
-    def _run(self, prompt, max_new_tokens: int, stop, result: GenerationResult) -> Iterator[str]:
+    def stream(
+        self, prompt: str | list[dict], max_new_tokens: int = 128, stop: list[str] = (), result: GenerationResult = None
+    ) -> Iterator[str]:
+        """`generate`, yielding the text as it is settled and never any text past a stop sequence; pass a
+        `GenerationResult()` as `result` to get the figures once the stream ends."""
+        result = GenerationResult() if result is None else result
         start = time.perf_counter()
         stop = [s for s in stop if s]
         input_ids = self.encode(prompt)

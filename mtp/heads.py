@@ -28,6 +28,8 @@ class HeadsConfig:
     vocab_size: int = 0
     tokenizer_fingerprint: str = ""
     """sha256 (first 16 hex digits) of the base tokenizer's sorted vocabulary."""
+    tree: list[list[int]] | None = None
+    """Paths of the decoding tree chosen for these heads (see `mtp.tree`); None: the default named tree."""
 
     def __post_init__(self):
         if self.num_heads < 1:

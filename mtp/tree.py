@@ -66,3 +66,72 @@ class Tree:
     def size(self) -> int:
         """Number of nodes, root included: the tokens one verification pass feeds the base model."""
         return len(self.paths) + 1
+
+
+# Hand-made trees for 4 heads, from a chain to 32 nodes; each is the same tree at every smaller size plus
+# the next most likely guesses (top ranks of the first heads first). On a CPU a 64-token pass costs about 4
+# plain steps, so the small ones are the CPU defaults.
+NAMED_TREES: dict[str, list[Path]] = {
+    "chain": [(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)],
+    "small": [(0,), (1,), (0, 0), (2,), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0)],
+    "medium": [
+        (0,),
+        (1,),
+        (0, 0),
+        (2,),
+        (0, 1),
+        (1, 0),
+        (0, 0, 0),
+        (0, 0, 0, 0),
+        (3,),
+        (0, 2),
+        (2, 0),
+        (1, 1),
+        (0, 0, 1),
+        (0, 1, 0),
+        (1, 0, 0),
+        (0, 0, 0, 1),
+    ],  # fmt: skip
+    "large": [
+        (0,),
+        (1,),
+        (0, 0),
+        (2,),
+        (0, 1),
+        (1, 0),
+        (0, 0, 0),
+        (0, 0, 0, 0),
+        (3,),
+        (0, 2),
+        (2, 0),
+        (1, 1),
+        (0, 0, 1),
+        (0, 1, 0),
+        (1, 0, 0),
+        (0, 0, 0, 1),
+        (4,),
+        (0, 3),
+        (3, 0),
+        (1, 2),
+        (2, 1),
+        (0, 0, 2),
+        (0, 2, 0),
+        (1, 0, 1),
+        (1, 1, 0),
+        (2, 0, 0),
+        (0, 1, 1),
+        (0, 0, 1, 0),
+        (0, 1, 0, 0),
+        (1, 0, 0, 0),
+        (0, 0, 0, 2),
+        (0, 0, 0, 0, 0),
+    ],  # fmt: skip
+}
+DEFAULT_TREE = "small"
+
+
+def named_tree(name: str, num_heads: int) -> Tree:
+    """A shipped tree, without the nodes deeper than `num_heads`."""
+    if name not in NAMED_TREES:
+        raise ValueError(f"Unknown tree {name!r}: choose one of {sorted(NAMED_TREES)}.")
+    return Tree.from_paths([path for path in NAMED_TREES[name] if len(path) <= num_heads], num_heads=num_heads)

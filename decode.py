@@ -1,0 +1,87 @@
+"""Generate with trained heads (or, without --heads, plain one-token decoding of a base model).
+
+python decode.py --heads runs/.../heads --prompt "Explain KV caches."
+python decode.py --heads runs/.../heads --prompts-file questions.jsonl --json > answers.jsonl
+python decode.py --heads runs/.../heads            # interactive chat
+"""
+
+import argparse
+import json
+import sys
+
+import torch
+
+import mtp
+from mtp.base import DEFAULT_BASE, load_base
+from mtp.decoding import Decoder, GenerationResult
+from mtp.rows import read_rows
+from mtp.tree import NAMED_TREES
+
+
+def conversations(args) -> list[list[str]]:
+    """User turns of each conversation: --prompt, or each row of --prompts-file (`turns`, `prompt`, `text`)."""
+    if args.prompt is not None:
+        return [[args.prompt]]
+    rows = read_rows(args.prompts_file)
+    bad = [
+        i
+        for i, row in enumerate(rows, 1)
+        if not isinstance(row.get("turns", row.get("prompt", row.get("text"))), (list, str))
+    ]
+    if bad:
+        raise SystemExit(f"{args.prompts_file}: rows {bad[:5]} have no `turns`, `prompt` or `text`: fix them.")
+    return [
+        [turns] if isinstance(turns := row.get("turns", row.get("prompt", row.get("text"))), str) else turns
+        for row in rows
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--heads", help="heads folder; without it, plain decoding of --base-model")
+    parser.add_argument("--base-model", help=f"base model to use (default: the heads' own, else {DEFAULT_BASE})")
+    parser.add_argument("--prompt", help="one prompt (sent as a user message when the model has a chat template)")
+    parser.add_argument("--prompts-file", help="JSON lines with `turns` (MT-Bench), `prompt` or `text`")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
+    parser.add_argument("--tree", choices=sorted(NAMED_TREES), help="named tree (default: the heads' tree)")
+    parser.add_argument("--stream", action="store_true", help="print text as it is accepted")
+    parser.add_argument("--json", action="store_true", help="one JSON object per answer on stdout")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    if args.heads:
+        decoder = mtp.load(args.heads, args.device, dtype, tree=args.tree, base_model=args.base_model)
+    else:
+        decoder = Decoder(*load_base(args.base_model or DEFAULT_BASE, args.device, dtype))
+    chat = decoder.tokenizer.chat_template is not None
+    interactive = args.prompt is None and args.prompts_file is None
+    totals = [0, 0, 0.0]  # tokens, verification passes, seconds
+    for turns in [iter(lambda: input("> "), "")] if interactive else conversations(args):
+        messages = []
+        for turn in turns:
+            messages.append({"role": "user", "content": turn})
+            prompt = messages if chat else turn
+            result = GenerationResult()
+            for text in decoder.stream(prompt, args.max_new_tokens, args.stop, result):
+                if args.stream or interactive:
+                    print(text, end="", flush=True)
+            if args.stream or interactive:
+                print()
+            messages.append({"role": "assistant", "content": result.text})
+            totals = [totals[0] + len(result.token_ids), totals[1] + result.forward_passes, totals[2] + result.seconds]
+            if args.json:
+                print(json.dumps({"prompt": turn, "text": result.text, "tokens": len(result.token_ids),
+                                  "forward_passes": result.forward_passes, "tau": round(result.tau, 3),
+                                  "finish_reason": result.finish_reason, "stop_sequence": result.stop_sequence,
+                                  "tokens_per_second": round(result.tokens_per_second, 2)}), flush=True)  # fmt: skip
+            elif not (args.stream or interactive):
+                print(result.text)
+    tokens, passes, seconds = totals
+    print(f"tau {tokens / max(passes, 1):.2f} ({tokens} tokens, {passes} verification passes), "
+          f"{tokens / max(seconds, 1e-9):.1f} tokens/s", file=sys.stderr)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

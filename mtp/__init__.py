@@ -1,0 +1,40 @@
+"""mtp: train multi-token-prediction heads on a frozen Hugging Face causal LM, and decode with them."""
+
+import torch
+
+from mtp.base import load_base
+from mtp.decoding import Decoder, GenerationResult
+from mtp.heads import MedusaHeads
+from mtp.tree import DEFAULT_TREE, Tree, named_tree
+
+__all__ = ["Decoder", "GenerationResult", "load"]
+
+
+def load(
+    heads_path: str,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    tree: str | None = None,
+    base_model: str | None = None,
+) -> Decoder:
+    """A decoder with the heads in `heads_path` and the base model they were trained for.
+
+    Args:
+        heads_path: a folder written at the end of training (`config.json` + `model.safetensors`).
+        device: torch device.
+        dtype: parameter dtype of the base model and heads.
+        tree: a named tree (see `mtp.tree.NAMED_TREES`); default: the tree saved with the heads, else
+            the default named tree.
+        base_model: load this base instead of the one named in the heads' config (for example a local copy);
+            it must be the same model: hidden size, vocabulary and tokenizer are checked.
+    """
+    heads = MedusaHeads.from_pretrained(heads_path)
+    name = base_model or heads.config.base_model
+    model, tokenizer = load_base(name, device=device, dtype=dtype)
+    heads.check_base(name, model, tokenizer)
+    num_heads = heads.config.num_heads
+    if tree is not None or heads.config.tree is None:
+        chosen = named_tree(tree or DEFAULT_TREE, num_heads)
+    else:
+        chosen = Tree.from_paths(heads.config.tree, num_heads=num_heads)
+    return Decoder(model, tokenizer, heads.to(device=device, dtype=dtype).eval(), chosen)

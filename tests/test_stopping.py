@@ -1,0 +1,136 @@
+"""Stop conditions (EOS, stop sequences, max_new_tokens), the streaming form, the API and decode.py."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import mtp
+from mtp.decoding import Decoder, GenerationResult
+from mtp.heads import HeadsConfig, MedusaHeads, base_identity
+from tests.conftest import ROOT, TINY_BASE
+from tests.test_decoding import PROMPT, TREE, OracleHeads, reference, tiny_model
+
+pytestmark = pytest.mark.usefixtures("tokenizer")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return mtp.base.load_tokenizer(TINY_BASE)
+
+
+@pytest.fixture(scope="module")
+def setup(tokenizer):
+    """A tiny model, its greedy continuation of PROMPT (48 tokens) and oracle heads for it."""
+    model = tiny_model()
+    input_ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    expected = reference(model, input_ids, 48)
+    return model, expected, OracleHeads(model, torch.cat([input_ids[0], torch.tensor(expected)]), num_heads=4)
+
+
+def test_eos_inside_an_accepted_block_ends_generation_there(setup, tokenizer):
+    model, expected, oracle = setup
+    first = next(i for i in range(8, 40) if expected.index(expected[i]) == i)  # a token not seen before
+    eos = expected[first]
+    model.generation_config.eos_token_id = eos
+    try:
+        result = Decoder(model, tokenizer, oracle, TREE).generate(PROMPT, max_new_tokens=40)
+    finally:
+        model.generation_config.eos_token_id = None
+    assert result.token_ids == expected[:first] and result.finish_reason == "stop" and result.stop_sequence is None
+    settled = 1 + sum(result.accept_lengths)  # the prefill's token, then every pass's
+    assert settled > first + 1 and result.accept_lengths[-1] > 1  # the last block went on past EOS: cut there
+
+
+def test_max_new_tokens_is_exact_in_the_middle_of_a_block(setup, tokenizer):
+    model, expected, oracle = setup
+    for limit in (1, 2, 7, 13):
+        result = Decoder(model, tokenizer, oracle, TREE).generate(PROMPT, max_new_tokens=limit)
+        assert result.token_ids == expected[:limit] and result.finish_reason == "length"
+    assert sum(result.accept_lengths) + 1 > 13  # the last pass settled more than was kept
+
+
+def test_max_new_tokens_zero_is_an_empty_result(setup, tokenizer):
+    model, _, oracle = setup
+    result = Decoder(model, tokenizer, oracle, TREE).generate(PROMPT, max_new_tokens=0)
+    assert result.token_ids == [] and result.text == "" and result.finish_reason == "length"
+
+
+def test_a_stop_sequence_spanning_two_steps_ends_the_text_before_it(setup, tokenizer):
+    model, expected, _ = setup
+    decoder = Decoder(model, tokenizer)  # plain decoding: one token per step, so two tokens span two steps
+    text = tokenizer.decode(expected[:40])
+    stop = tokenizer.decode(expected[6:8])
+    assert len(stop) > 1
+    cut = text.find(stop)
+    result = decoder.generate(PROMPT, max_new_tokens=40, stop=["never appears", stop])
+    assert result.text == text[:cut] and result.finish_reason == "stop" and result.stop_sequence == stop
+    assert result.token_ids == expected[: len(result.token_ids)]
+    assert tokenizer.decode(result.token_ids) == text[:cut]
+    chunks = list(decoder.stream(PROMPT, max_new_tokens=40, stop=[stop]))
+    assert "".join(chunks) == text[:cut] and len(chunks) > 1
+
+
+def test_streaming_yields_the_whole_text_and_fills_the_result(setup, tokenizer):
+    model, expected, oracle = setup
+    result = GenerationResult()
+    chunks = list(Decoder(model, tokenizer, oracle, TREE).stream(PROMPT, max_new_tokens=30, result=result))
+    assert "".join(chunks) == result.text == tokenizer.decode(expected[:30])
+    assert result.forward_passes < 30 and result.tokens_per_second > 0
+
+
+def test_bad_prompts_are_clear_errors(setup, tokenizer):
+    model, _, _ = setup
+    decoder = Decoder(model, tokenizer)
+    with pytest.raises(ValueError, match="The prompt is empty"):
+        decoder.generate("", max_new_tokens=5)
+    with pytest.raises(ValueError, match="context window is 512"):
+        decoder.generate("word " * 600, max_new_tokens=5)
+
+
+def save_random_heads(tmp_path, lm_head="shared"):
+    model, tokenizer = mtp.base.load_base(TINY_BASE)
+    heads = MedusaHeads(HeadsConfig(num_heads=3, lm_head=lm_head, **base_identity(TINY_BASE, model, tokenizer)))
+    torch.manual_seed(0)
+    for parameter in heads.parameters():
+        torch.nn.init.normal_(parameter, std=0.3)
+    heads.save_pretrained(tmp_path / "heads")
+    return str(tmp_path / "heads"), model, tokenizer
+
+
+def test_load_gives_a_lossless_decoder_for_saved_heads(tmp_path):
+    path, model, tokenizer = save_random_heads(tmp_path, "own")
+    decoder = mtp.load(path, tree="medium")
+    messages = [{"role": "user", "content": "Count from 1 to 9."}]
+    result = decoder.generate(messages, max_new_tokens=24)
+    input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    expected = model.generate(**input_ids, max_new_tokens=24, do_sample=False)[0, input_ids["input_ids"].shape[1] :]
+    expected = expected.tolist()
+    if 2 in expected:  # EOS (<|im_end|>, id 2) ends both
+        expected = expected[: expected.index(2)]
+    assert result.token_ids == expected
+
+
+def test_heads_for_another_base_are_refused_at_load(tmp_path):
+    model, tokenizer = mtp.base.load_base(TINY_BASE)
+    identity = {**base_identity("a narrower model", model, tokenizer), "hidden_size": 32}
+    MedusaHeads(HeadsConfig(num_heads=2, **identity)).save_pretrained(tmp_path / "heads")
+    path = str(tmp_path / "heads")
+    with pytest.raises(ValueError, match=r"trained for base model 'a narrower model'.*hidden 32.*not for .*hidden 64"):
+        mtp.load(path, base_model=TINY_BASE)
+
+
+def test_decode_py_answers_prompts_as_json_lines(tmp_path):
+    path, _, _ = save_random_heads(tmp_path)
+    prompts = tmp_path / "questions.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "category": "x", "turns": ["Count to 5.", "And to 6?"]}) + "\n")
+    command = [sys.executable, str(ROOT / "decode.py"), "--heads", path, "--prompts-file", str(prompts), "--json",
+               "--max-new-tokens", "12", "--tree", "chain"]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    answers = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [a["prompt"] for a in answers] == ["Count to 5.", "And to 6?"]
+    assert all(a["finish_reason"] in ("stop", "length") and a["forward_passes"] >= 0 for a in answers)
+    assert "tau" in done.stderr and "tokens/s" in done.stderr
