@@ -22,18 +22,14 @@ def conversations(args) -> list[list[str]]:
     """User turns of each conversation: --prompt, or each row of --prompts-file (`turns`, `prompt`, `text`)."""
     if args.prompt is not None:
         return [[args.prompt]]
-    rows = read_rows(args.prompts_file)
-    bad = [
-        i
-        for i, row in enumerate(rows, 1)
-        if not isinstance(row.get("turns", row.get("prompt", row.get("text"))), (list, str))
-    ]
-    if bad:
-        raise SystemExit(f"{args.prompts_file}: rows {bad[:5]} have no `turns`, `prompt` or `text`: fix them.")
-    return [
-        [turns] if isinstance(turns := row.get("turns", row.get("prompt", row.get("text"))), str) else turns
-        for row in rows
-    ]
+    found = []
+    for number, row in enumerate(read_rows(args.prompts_file), 1):
+        turns = row.get("turns", row.get("prompt", row.get("text"))) if isinstance(row, dict) else None
+        turns = [turns] if isinstance(turns, str) else turns
+        if not (isinstance(turns, list) and turns and all(isinstance(turn, str) and turn for turn in turns)):
+            raise SystemExit(f"{args.prompts_file}: row {number} has no `turns`, `prompt` or `text`: fix or remove it.")
+        found.append(turns)
+    return found
 
 
 def main() -> None:

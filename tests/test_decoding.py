@@ -36,8 +36,10 @@ def tokenizer():
 
 
 def reference(model, input_ids, max_new_tokens):
-    """The base model's own greedy continuation (min_new_tokens: no early stop whatever the config says)."""
-    out = model.generate(input_ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
+    """The base model's own greedy continuation (min_new_tokens: no early stop whatever the config says; an
+    explicit attention mask, else generate masks prompt tokens equal to the pad token, <|im_end|> in ChatML)."""
+    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                         min_new_tokens=max_new_tokens, do_sample=False)  # fmt: skip
     return out[0, input_ids.shape[1] :].tolist()
 
 
@@ -143,3 +145,44 @@ def test_the_cache_after_acceptance_equals_a_causal_run(tokenizer):
     for ours, theirs in zip(cache.layers, causal.layers, strict=True):
         torch.testing.assert_close(ours.keys, theirs.keys, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(ours.values, theirs.values, atol=1e-5, rtol=1e-4)
+
+
+def test_trained_heads_give_the_base_models_greedy_output(tokenizer, tmp_path):
+    import lightning as L
+
+    from mtp.data import HeadsDataModule
+    from mtp.module import HeadsModule
+    from tests.conftest import TINY_CHAT
+
+    module = HeadsModule(TINY_BASE, num_heads=4, lm_head="own", lr=3e-3)
+    trainer = L.Trainer(max_steps=30, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(module, HeadsDataModule(TINY_CHAT, TINY_BASE, batch_size=8))
+    model = module.base_model
+    model.generation_config.eos_token_id = None  # no early stop on either side
+    decoder = Decoder(model, tokenizer, module.heads.eval(), TREE)
+    for question in ("Count from 3 to 20.", "List 9 days of the week starting with Monday."):
+        messages = [{"role": "user", "content": question}]
+        input_ids = decoder.encode(messages)
+        assert decoder.generate(messages, max_new_tokens=32).token_ids == reference(model, input_ids, 32)
+
+
+def test_the_packaged_smollm2_decodes_mt_bench_exactly_as_its_own_greedy_search():
+    import json
+
+    from mtp.base import DEFAULT_BASE, load_base
+    from tests.conftest import SHARED_DATA
+
+    model, tokenizer = load_base(DEFAULT_BASE)
+    model.generation_config.eos_token_id = None  # EOS off: both sides run the full 64 tokens
+    questions = [json.loads(line) for line in (SHARED_DATA / "mt_bench.jsonl").read_text().splitlines()]
+    fresh = MedusaHeads(HeadsConfig(num_heads=4, hidden_size=576, vocab_size=49152))  # predicts like the lm_head
+    for question in questions[::16]:  # 5 questions, one from every other category
+        messages = [{"role": "user", "content": question["turns"][0]}]
+        decoder = Decoder(model, tokenizer, fresh, TREE)
+        input_ids = decoder.encode(messages)
+        expected = reference(model, input_ids, 64)
+        assert decoder.generate(messages, max_new_tokens=64).token_ids == expected
+        oracle = OracleHeads(model, torch.cat([input_ids[0], torch.tensor(expected)]), num_heads=4)
+        result = Decoder(model, tokenizer, oracle, TREE).generate(messages, max_new_tokens=64)
+        assert result.token_ids == expected and result.tau > 3

@@ -105,7 +105,9 @@ def test_load_gives_a_lossless_decoder_for_saved_heads(tmp_path):
     decoder = mtp.load(path, tree="medium")
     messages = [{"role": "user", "content": "Count from 1 to 9."}]
     result = decoder.generate(messages, max_new_tokens=24)
-    input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    input_ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     expected = model.generate(**input_ids, max_new_tokens=24, do_sample=False)[0, input_ids["input_ids"].shape[1] :]
     expected = expected.tolist()
     if 2 in expected:  # EOS (<|im_end|>, id 2) ends both
