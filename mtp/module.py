@@ -91,7 +91,7 @@ class HeadsModule(L.LightningModule):
             valid = targets[k] != IGNORE  # (N,)
             for top in TOP_K:
                 metric = self.metrics[f"{stage}_head{k}_top{top}"]
-                metric.update(hits[k, valid, :top].any(-1).float())
+                metric(hits[k, valid, :top].any(-1).float())  # forward: this batch's value, and accumulate
                 self.log(
                     f"{stage}/head{k}_top{top}", metric, prog_bar=top == 1 and stage == "val", batch_size=batch_size
                 )
