@@ -1,0 +1,111 @@
+"""Benchmark mtp against plain greedy `generate` and prompt-lookup decoding, interleaved prompt by prompt in
+one process: tau, tokens/s and speedups per category, and a check that every mtp output equals plain greedy.
+
+    python -m mtp.bench --heads HEADS --questions ../shared/data/mt_bench.jsonl --limit 16 --max-new-tokens 128
+"""
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import mtp
+from mtp.rows import read_rows
+from mtp.tree import NAMED_TREES
+
+
+def timed_generate(model, input_ids, max_new_tokens, **options) -> tuple[list[int], float]:
+    """Plain `generate` (greedy, or prompt lookup with options): new tokens without the EOS, and seconds."""
+    start = time.perf_counter()
+    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, **options)[0, input_ids.shape[1] :].tolist()  # fmt: skip
+    seconds = time.perf_counter() - start
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    return (out[: next((i for i, t in enumerate(out) if t in eos), len(out))], seconds)
+
+
+def summarise(rows: list[dict]) -> dict:
+    """Totals over questions; tokens/s of every method counts mtp's tokens (equal to greedy's unless a mismatch
+    is reported)."""
+    tokens = sum(row["tokens"] for row in rows)
+    speed = {name: tokens / sum(row[f"{name}_seconds"] for row in rows) for name in ("greedy", "lookup", "mtp")}
+    return {
+        "questions": len(rows), "tokens": tokens, "tau": tokens / max(sum(row["forward_passes"] for row in rows), 1),
+        **{f"{name}_tokens_per_second": value for name, value in speed.items()},
+        "speedup_vs_greedy": speed["mtp"] / speed["greedy"], "speedup_vs_lookup": speed["mtp"] / speed["lookup"],
+        "mismatches": sum(not row["matches_greedy"] for row in rows),
+    }  # fmt: skip
+
+
+def markdown(summary: dict[str, dict]) -> str:
+    columns = (
+        "category | questions | tau | mtp tok/s | greedy tok/s | lookup tok/s | vs greedy | vs lookup | mismatches"
+    )
+    lines = [f"| {columns} |", "| --- |" + " ---: |" * 8]
+    for name, s in summary.items():
+        figures = [s["questions"], f"{s['tau']:.2f}"]
+        figures += [f"{s[f'{method}_tokens_per_second']:.1f}" for method in ("mtp", "greedy", "lookup")]
+        figures += [f"{s['speedup_vs_greedy']:.2f}x", f"{s['speedup_vs_lookup']:.2f}x", s["mismatches"]]
+        lines.append(f"| {name} | " + " | ".join(str(figure) for figure in figures) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--heads", required=True)
+    parser.add_argument("--questions", required=True, help="JSON lines with `turns` (first turn used) or `prompt`")
+    parser.add_argument("--limit", type=int, help="the first N questions, spread over categories in file order")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--tree", choices=sorted(NAMED_TREES))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--out", default="runs/bench/bench.json", help="JSON out; the Markdown table goes beside it")
+    args = parser.parse_args()
+
+    decoder = mtp.load(args.heads, args.device, getattr(torch, args.dtype), tree=args.tree)
+    model = decoder.base_model
+    questions = read_rows(args.questions)
+    if args.limit:  # round-robin over categories, so a small limit still covers them all
+        by_category = defaultdict(list)
+        for question in questions:
+            by_category[question.get("category", "all")].append(question)
+        questions = [q for group in zip(*by_category.values(), strict=False) for q in group][: args.limit]
+    warm_up = [{"role": "user", "content": "Hello"}]
+    decoder.generate(warm_up, max_new_tokens=8)
+    timed_generate(model, decoder.encode(warm_up).to(args.device), 8, prompt_lookup_num_tokens=10)
+    timed_generate(model, decoder.encode(warm_up).to(args.device), 8)
+    rows = []
+    for question in tqdm(questions, desc="benchmark", unit="question"):
+        prompt = question["turns"][0] if "turns" in question else question["prompt"]
+        messages = [{"role": "user", "content": prompt}]
+        input_ids = decoder.encode(messages).to(args.device)
+        greedy, greedy_seconds = timed_generate(model, input_ids, args.max_new_tokens)
+        lookup, lookup_seconds = timed_generate(model, input_ids, args.max_new_tokens, prompt_lookup_num_tokens=10)
+        result = decoder.generate(messages, max_new_tokens=args.max_new_tokens)
+        rows.append({
+            "category": question.get("category", "all"), "tokens": len(result.token_ids),
+            "forward_passes": result.forward_passes, "accept_lengths": result.accept_lengths,
+            "greedy_seconds": greedy_seconds, "lookup_seconds": lookup_seconds, "mtp_seconds": result.seconds,
+            "matches_greedy": result.token_ids == greedy, "lookup_matches_greedy": lookup == greedy,
+        })  # fmt: skip
+    summary = {
+        c: summarise([r for r in rows if r["category"] == c]) for c in dict.fromkeys(r["category"] for r in rows)
+    }
+    summary["overall"] = summarise(rows)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {k: v for k, v in vars(args).items() if k != "out"} | {"tree_size": decoder.tree.size,
+                "threads": torch.get_num_threads()}  # fmt: skip
+    out.write_text(json.dumps({"settings": settings, "summary": summary, "questions": rows}, indent=1))
+    table = markdown(summary)
+    out.with_suffix(".md").write_text(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
