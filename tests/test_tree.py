@@ -55,3 +55,14 @@ def test_a_small_tree_by_hand():
 def test_invalid_trees_are_clear_errors(paths, message):
     with pytest.raises(ValueError, match=message):
         Tree.from_paths(paths, num_heads=2, top_k=3)
+
+
+def test_named_trees_are_valid_and_sized_as_documented():
+    from mtp.tree import NAMED_TREES, named_tree
+
+    assert {name: named_tree(name, num_heads=4).size for name in NAMED_TREES} == {
+        "chain": 5, "small": 9, "medium": 17, "large": 33
+    }  # fmt: skip
+    assert named_tree("large", num_heads=1).paths == ((0,), (1,), (2,), (3,), (4,))  # deeper nodes dropped
+    with pytest.raises(ValueError, match="Unknown tree 'huge'"):
+        named_tree("huge", num_heads=4)
