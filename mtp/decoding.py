@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import record_function
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from mtp.cache import keep_accepted
@@ -89,6 +90,7 @@ class Decoder:
         device = self.base_model.device
         backbone, lm_head = self.base_model.get_decoder(), self.base_model.get_output_embeddings()
         tree = self.tree
+        depths, ranks, paths = tree.depths.to(device), tree.ranks.to(device), tree.retrieve.to(device)
         tree_mask = torch.zeros(tree.size, tree.size, device=device)  # additive: 0 attends, min blocks
         tree_mask.masked_fill_(~tree.mask.to(device), torch.finfo(self.base_model.dtype).min)
         cache = DynamicCache(config=self.base_model.config)
@@ -98,29 +100,32 @@ class Decoder:
         last_hidden = hidden[0, -1]  # (H,) the last accepted position's hidden state
         yield [root]
         while True:
-            tokens = torch.tensor([root], device=device)  # (1,) root only
-            if tree.size > 1:
-                guesses = self.heads(last_hidden, lm_head).topk(self.top_k, dim=-1).indices  # (K, top_k)
-                tokens = torch.cat([tokens, guesses[tree.depths[1:] - 1, tree.ranks[1:]]])  # (N+1,)
-            positions = prefix_len + tree.depths.to(device)  # (N+1,) a node sits at its depth past the root
-            mask = torch.cat([torch.zeros(tree.size, prefix_len, device=device), tree_mask], 1)  # (N+1, P+N+1)
-            hidden = backbone(
-                input_ids=tokens[None],
-                position_ids=positions[None],
-                attention_mask=mask[None, None].to(hidden.dtype),
-                cache=cache,
-                use_cache=True,
-            ).last_hidden_state[0]  # (N+1, H)
-            predictions = lm_head(hidden).argmax(-1)  # (N+1,) the base model's choice after each node
-            # Greedy acceptance: along each root-to-leaf path, node d+1 is right iff its token is the base model's
-            # prediction at node d; the path's accepted length is the number of leading right nodes.
-            paths = tree.retrieve.to(device)  # (L, D+1)
-            children = paths[:, 1:]  # (L, D)
-            right = (children >= 0) & (tokens[children.clamp(min=0)] == predictions[paths[:, :-1].clamp(min=0)])
-            accepted = right.int().cumprod(1).sum(1)  # (L,)
-            best = int(accepted.argmax())
-            nodes = paths[best, : int(accepted[best]) + 1]  # (A+1,) root and accepted candidates
-            keep_accepted(cache, prefix_len, nodes)
+            with record_function("mtp.candidates"):  # the heads' guesses laid out on the tree
+                tokens = torch.tensor([root], device=device)  # (1,) root only
+                if tree.size > 1:
+                    guesses = self.heads(last_hidden, lm_head).topk(self.top_k, dim=-1).indices  # (K, top_k)
+                    tokens = torch.cat([tokens, guesses[depths[1:] - 1, ranks[1:]]])  # (N+1,)
+                positions = prefix_len + depths  # (N+1,) a node sits at its depth past the root
+                mask = torch.cat([torch.zeros(tree.size, prefix_len, device=device), tree_mask], 1)  # (N+1, P+N+1)
+            with record_function("mtp.verify"):  # one forward pass of the base model over the whole tree
+                hidden = backbone(
+                    input_ids=tokens[None],
+                    position_ids=positions[None],
+                    attention_mask=mask[None, None].to(hidden.dtype),
+                    cache=cache,
+                    use_cache=True,
+                ).last_hidden_state[0]  # (N+1, H)
+            with record_function("mtp.accept"):
+                predictions = lm_head(hidden).argmax(-1)  # (N+1,) the base model's choice after each node
+                # Greedy acceptance: along each root-to-leaf path, node d+1 is right iff its token is the base
+                # model's prediction at node d; a path's accepted length is its number of leading right nodes.
+                children = paths[:, 1:]  # (L, D)
+                right = (children >= 0) & (tokens[children.clamp(min=0)] == predictions[paths[:, :-1].clamp(min=0)])
+                accepted = right.int().cumprod(1).sum(1)  # (L,)
+                best = int(accepted.argmax())
+                nodes = paths[best, : int(accepted[best]) + 1]  # (A+1,) root and accepted candidates
+            with record_function("mtp.cache"):
+                keep_accepted(cache, prefix_len, nodes)
             prefix_len += len(nodes)
             root = int(predictions[nodes[-1]])  # the bonus token
             last_hidden = hidden[nodes[-1]]
