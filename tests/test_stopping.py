@@ -136,3 +136,14 @@ def test_decode_py_answers_prompts_as_json_lines(tmp_path):
     assert [a["prompt"] for a in answers] == ["Count to 5.", "And to 6?"]
     assert all(a["finish_reason"] in ("stop", "length") and a["forward_passes"] >= 0 for a in answers)
     assert "tau" in done.stderr and "tokens/s" in done.stderr
+
+
+def test_an_attention_that_takes_no_4d_mask_is_refused_at_load(setup, tokenizer):
+    model, _, _ = setup
+    implementation = model.config._attn_implementation
+    model.config._attn_implementation = "flash_attention_2"  # as if loaded so: it ignores custom 4D masks
+    try:
+        with pytest.raises(ValueError, match="'flash_attention_2' of llama takes no custom 4D tree mask"):
+            Decoder(model, tokenizer)
+    finally:
+        model.config._attn_implementation = implementation
