@@ -45,17 +45,18 @@ def encode(tokenizer: PreTrainedTokenizerBase, example: list[dict] | str, max_le
     return torch.tensor(encoded.input_ids), torch.tensor(mask)
 
 
-def collate(examples: list[tuple[torch.Tensor, torch.Tensor]], pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """Right-pad a batch: input_ids, attention_mask and loss_mask, each (B, T)."""
-    length = max(len(ids) for ids, _ in examples)
+def collate(examples: list[tuple[torch.Tensor, torch.Tensor, int]], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-pad a batch of (ids, loss mask, example index): input_ids, attention_mask, loss_mask (B, T), index (B,)."""
+    length = max(len(ids) for ids, _, _ in examples)
     input_ids = torch.full((len(examples), length), pad_id, dtype=torch.long)  # (B, T)
     attention_mask = torch.zeros((len(examples), length), dtype=torch.long)  # (B, T)
     loss_mask = torch.zeros((len(examples), length), dtype=torch.bool)  # (B, T)
-    for row, (ids, mask) in enumerate(examples):
+    for row, (ids, mask, _) in enumerate(examples):
         input_ids[row, : len(ids)] = ids
         attention_mask[row, : len(ids)] = 1
         loss_mask[row, : len(ids)] = mask
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+    index = torch.tensor([index for _, _, index in examples])  # (B,)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask, "index": index}
 
 
 def bucket(lengths: list[int], batch_size: int, seed: int = 0) -> list[list[int]]:
@@ -128,6 +129,7 @@ class HeadsDataModule(L.LightningDataModule):
                 f"Skipped {sum(skipped.values())} of {len(rows)} rows of {self.data!r}: {dict(skipped)}", stacklevel=2
             )
         random.Random(self.seed).shuffle(examples)
+        examples = [(ids, mask, index) for index, (ids, mask) in enumerate(examples)]  # index: the example's id
         num_val = round(self.val_fraction * len(examples)) if len(examples) > 1 else 0
         num_val = max(num_val, 1) if self.val_fraction > 0 and len(examples) > 1 else num_val
         self.val_examples, self.train_examples = examples[:num_val], examples[num_val:]
@@ -137,7 +139,7 @@ class HeadsDataModule(L.LightningDataModule):
     def _batches(self, examples):
         return [
             [examples[i] for i in batch]
-            for batch in bucket([len(ids) for ids, _ in examples], self.batch_size, self.seed)
+            for batch in bucket([len(ids) for ids, _, _ in examples], self.batch_size, self.seed)
         ]
 
     def _loader(self, batches, shuffle: bool) -> DataLoader:

@@ -31,6 +31,7 @@ class HeadsModule(L.LightningModule):
         lr: float = 1e-3,
         weight_decay: float = 0.0,
         warmup_steps: int = 50,
+        cache_hidden: bool = False,
     ):
         """Medusa-style heads trained by teacher forcing on a frozen base model.
 
@@ -44,6 +45,9 @@ class HeadsModule(L.LightningModule):
             lr: peak AdamW learning rate, reached after warmup_steps, then cosine decay to 0.
             weight_decay: AdamW weight decay.
             warmup_steps: linear warmup steps.
+            cache_hidden: keep the base model's hidden states of each example (in CPU memory, 4 x hidden size
+                bytes per token in float32) after its first pass, so that later epochs run the heads alone.
+                On the default model on a CPU the base forward is about 40% of a training step.
         """
         super().__init__()
         self.save_hyperparameters()
@@ -56,6 +60,7 @@ class HeadsModule(L.LightningModule):
         lm_head_weight = self.base_model.get_output_embeddings().weight
         config = HeadsConfig(num_heads, num_layers, lm_head, **base_identity(base_model, self.base_model, tokenizer))
         self.heads = MedusaHeads(config, lm_head_weight.detach())
+        self.hidden_cache: dict[int, torch.Tensor] = {}  # example index -> (T, H), when cache_hidden
         self.strict_loading = False  # checkpoints hold the heads only; the base comes from base_model
         self.metrics = nn.ModuleDict(
             {
@@ -71,11 +76,26 @@ class HeadsModule(L.LightningModule):
         self.base_model.eval()  # frozen: no dropout, whatever Lightning asks of the module
         return self
 
+    @torch.no_grad()
+    def hidden_states(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The base model's last hidden states (B, T, H), from the cache when every example is in it."""
+        indices, lengths = batch["index"].tolist(), batch["attention_mask"].sum(1).tolist()
+        if self.hparams.cache_hidden and all(index in self.hidden_cache for index in indices):
+            cached = [self.hidden_cache[index].to(self.device) for index in indices]
+            hidden = cached[0].new_zeros(*batch["input_ids"].shape, cached[0].shape[-1])  # (B, T, H), right-padded
+            for row, states in enumerate(cached):
+                hidden[row, : len(states)] = states
+            return hidden
+        hidden = self.base_model.get_decoder()(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+        ).last_hidden_state  # (B, T, H)
+        if self.hparams.cache_hidden:
+            for row, (index, length) in enumerate(zip(indices, lengths, strict=True)):
+                self.hidden_cache[index] = hidden[row, :length].to("cpu", copy=True)
+        return hidden
+
     def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
-        with torch.no_grad():
-            hidden = self.base_model.get_decoder()(
-                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
-            ).last_hidden_state  # (B, T, H)
+        hidden = self.hidden_states(batch)  # (B, T, H)
         targets = head_targets(batch["input_ids"], batch["loss_mask"], len(self.weights))  # (K, B, T)
         keep = (targets != IGNORE).any(0)  # (B, T): positions where some head has a target
         targets = targets[:, keep]  # (K, N)

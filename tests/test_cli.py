@@ -45,7 +45,9 @@ def test_tiny_recipe_trains_20_steps_and_exports_heads_without_base_weights(tmp_
     assert all(name.startswith(("blocks.", "projections.")) for name in tensors)
     assert next((run / "checkpoints").glob("*step=20.ckpt"))
     logged = (run / "metrics.csv").read_text().splitlines()[0].split(",")
-    assert {f"{stage}/head{k}_top{top}" for stage in ("train", "val") for k in range(4) for top in (1, 5)} <= set(logged)
+    assert {f"{stage}/head{k}_top{top}" for stage in ("train", "val") for k in range(4) for top in (1, 5)} <= set(
+        logged
+    )
 
 
 def test_fast_dev_run_of_the_tiny_recipe(tmp_path):

@@ -53,11 +53,12 @@ def test_plain_text_is_learned_everywhere_and_truncation_applies(tokenizer):
 
 def test_collate_pads_right_and_masks_padding():
     batch = collate(
-        [(torch.tensor([5, 6, 7]), torch.tensor([False, True, True])), (torch.tensor([8]), torch.tensor([True]))]
+        [(torch.tensor([5, 6, 7]), torch.tensor([False, True, True]), 4), (torch.tensor([8]), torch.tensor([True]), 9)]
     )
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert batch["loss_mask"].tolist() == [[False, True, True], [True, False, False]]
+    assert batch["index"].tolist() == [4, 9]
 
 
 def test_bucketing_covers_every_example_once_and_cuts_padding():

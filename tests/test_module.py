@@ -111,3 +111,19 @@ def test_a_run_stopped_midway_resumes_at_the_step_it_reached(tmp_path):
 def test_loss_weights_must_match_the_number_of_heads():
     with pytest.raises(ValueError, match="loss_weights has 2 entries for 4 heads"):
         HeadsModule(TINY_BASE, num_heads=4, loss_weights=[1.0, 0.5])
+
+
+def test_cached_hidden_states_train_the_same_heads_without_running_the_base_again(tmp_path):
+    results = {}
+    for cache_hidden in (False, True):
+        torch.manual_seed(0)
+        module = HeadsModule(TINY_BASE, num_heads=2, lm_head="own", cache_hidden=cache_hidden)
+        calls = []
+        module.base_model.get_decoder().register_forward_hook(lambda *args, calls=calls: calls.append(1))
+        data = HeadsDataModule(TINY_CHAT, TINY_BASE, batch_size=8, val_fraction=0)
+        trainer(tmp_path / str(cache_hidden), max_steps=-1, max_epochs=3, limit_val_batches=0).fit(module, data)
+        results[cache_hidden] = (module.heads.state_dict(), len(calls), len(data.train_batches))
+    (plain, plain_calls, batches), (cached, cached_calls, _) = results[False], results[True]
+    assert plain_calls == 3 * batches and cached_calls == batches  # the base runs in the first epoch only
+    for name, tensor in plain.items():
+        torch.testing.assert_close(cached[name], tensor, rtol=1e-5, atol=1e-6)
