@@ -32,6 +32,18 @@ def conversations(args) -> list[list[str]]:
     return found
 
 
+def typed_turns():
+    """Lines typed at the prompt, until an empty line or the end of input."""
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            return
+        if not line:
+            return
+        yield line
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", help="heads folder; without it, plain decoding of --base-model")
@@ -54,7 +66,7 @@ def main() -> None:
     chat = decoder.tokenizer.chat_template is not None
     interactive = args.prompt is None and args.prompts_file is None
     totals = [0, 0, 0.0]  # tokens, verification passes, seconds
-    for turns in [iter(lambda: input("> "), "")] if interactive else conversations(args):
+    for turns in [typed_turns()] if interactive else conversations(args):
         messages = []
         for turn in turns:
             messages.append({"role": "user", "content": turn})

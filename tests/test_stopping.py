@@ -147,3 +147,11 @@ def test_an_attention_that_takes_no_4d_mask_is_refused_at_load(setup, tokenizer)
             Decoder(model, tokenizer)
     finally:
         model.config._attn_implementation = implementation
+
+
+def test_decode_py_chats_interactively_without_heads_until_input_ends():
+    command = [sys.executable, str(ROOT / "decode.py"), "--base-model", TINY_BASE, "--max-new-tokens", "6"]
+    done = subprocess.run(command, cwd=ROOT, input="Hello\nAnd again\n", capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("> ") == 3  # two turns answered, then the end of input
+    assert "(12 tokens, 10 verification passes)" in done.stderr  # plain decoding: one token per pass
