@@ -1,7 +1,7 @@
 """Where a decoding step's time goes: heads and candidate building, the base model's pass over the tree,
 acceptance, cache bookkeeping, and the rest (Python, stop checks, detokenising), over a few MT-Bench questions.
 
-    python benchmarks/decode_profile.py --heads HEADS --questions ../shared/data/mt_bench.jsonl --limit 4
+    python benchmarks/decode_profile.py --heads HEADS --questions ../shared/data/mt_bench.jsonl
 """
 
 import argparse
@@ -20,8 +20,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", required=True)
     parser.add_argument("--questions", required=True)
-    parser.add_argument("--limit", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--limit", type=int, default=1, help="questions (the profiler holds every op: keep it small)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--tree", choices=sorted(NAMED_TREES))
     args = parser.parse_args()
     decoder = mtp.load(args.heads, tree=args.tree)
