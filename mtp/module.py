@@ -144,6 +144,8 @@ class HeadsModule(L.LightningModule):
         return {key: value for key, value in state.items() if not key.startswith("base_model.")}
 
     def on_fit_end(self) -> None:
+        if self.trainer.fast_dev_run:  # a smoke run: like Lightning's logs and checkpoints, nothing is written
+            return
         folder = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "heads"  # log_dir: a collective call
         if self.trainer.is_global_zero:
             self.heads.save_pretrained(folder)

@@ -52,7 +52,9 @@ def test_tiny_recipe_trains_20_steps_and_exports_heads_without_base_weights(tmp_
 
 def test_fast_dev_run_of_the_tiny_recipe(tmp_path):
     main(["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.fast_dev_run", "true",
-          "--trainer.logger.init_args.save_dir", str(tmp_path)])  # fmt: skip
+          "--trainer.logger.init_args.save_dir", str(tmp_path),
+          "--trainer.default_root_dir", str(tmp_path)])  # fmt: skip
+    assert not any(tmp_path.iterdir())  # a smoke run writes no logs, checkpoints or heads
 
 
 def test_command_line_overrides_reach_the_model(tmp_path):
