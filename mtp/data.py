@@ -130,8 +130,7 @@ class HeadsDataModule(L.LightningDataModule):
             )
         random.Random(self.seed).shuffle(examples)
         examples = [(ids, mask, index) for index, (ids, mask) in enumerate(examples)]  # index: the example's id
-        num_val = round(self.val_fraction * len(examples)) if len(examples) > 1 else 0
-        num_val = max(num_val, 1) if self.val_fraction > 0 and len(examples) > 1 else num_val
+        num_val = max(round(self.val_fraction * len(examples)), 1) if self.val_fraction > 0 and len(examples) > 1 else 0
         self.val_examples, self.train_examples = examples[:num_val], examples[num_val:]
         self.train_batches = self._batches(self.train_examples)
         self.val_batches = self._batches(self.val_examples)

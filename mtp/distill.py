@@ -70,7 +70,7 @@ def run_distill(distill: Distill, base_model: str, out: str | Path) -> None:
     todo = sorted((i for i in selected if i not in done), key=lambda i: len(prompts[i][1]))  # batch similar lengths
     if not todo:
         return
-    model, tokenizer = load_base(base_model)
+    model, _ = load_base(base_model)  # the tokenizer is already loaded
     tokenizer.padding_side = "left"
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     out.parent.mkdir(parents=True, exist_ok=True)
