@@ -52,7 +52,11 @@ def main() -> None:
     parser.add_argument("--prompts-file", help="JSON lines with `turns` (MT-Bench), `prompt` or `text`")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
-    parser.add_argument("--tree", choices=sorted(NAMED_TREES), help="named tree (default: the heads' tree)")
+    parser.add_argument(
+        "--tree",
+        help=f"one of {sorted(NAMED_TREES)}, or a number N: the N-node tree grown from "
+        "the heads' calibration (default: the tree saved with the heads)",
+    )
     parser.add_argument("--stream", action="store_true", help="print text as it is accepted")
     parser.add_argument("--json", action="store_true", help="one JSON object per answer on stdout")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -23,8 +23,8 @@ def load(
         heads_path: a folder written at the end of training (`config.json` + `model.safetensors`).
         device: torch device.
         dtype: parameter dtype of the base model and heads.
-        tree: a named tree (see `mtp.tree.NAMED_TREES`); default: the tree saved with the heads, else
-            the default named tree.
+        tree: a named tree (see `mtp.tree.NAMED_TREES`) or a number N, the N-node tree grown from the heads'
+            calibration; default: the tree saved with the heads (`python -m mtp.sizing`), else the default tree.
         base_model: load this base instead of the one named in the heads' config (for example a local copy);
             it must be the same model: hidden size, vocabulary and tokenizer are checked.
     """
@@ -34,7 +34,7 @@ def load(
     heads.check_base(name, model, tokenizer)
     num_heads = heads.config.num_heads
     if tree is not None or heads.config.tree is None:
-        chosen = named_tree(tree or DEFAULT_TREE, num_heads)
+        chosen = named_tree(tree or DEFAULT_TREE, num_heads, heads.config.calibration)
     else:
         chosen = Tree.from_paths(heads.config.tree, num_heads=num_heads)
     return Decoder(model, tokenizer, heads.to(device=device, dtype=dtype).eval(), chosen)

@@ -61,7 +61,11 @@ def main() -> None:
     parser.add_argument("--questions", required=True, help="JSON lines with `turns` (first turn used) or `prompt`")
     parser.add_argument("--limit", type=int, help="the first N questions, spread over categories in file order")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--tree", choices=sorted(NAMED_TREES))
+    parser.add_argument(
+        "--tree",
+        help=f"one of {sorted(NAMED_TREES)}, or a number N: the N-node tree grown from "
+        "the heads' calibration (default: the tree saved with the heads)",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--out", default="runs/bench/bench.json", help="JSON out; the Markdown table goes beside it")

@@ -28,6 +28,9 @@ class HeadsConfig:
     vocab_size: int = 0
     tokenizer_fingerprint: str = ""
     """sha256 (first 16 hex digits) of the base tokenizer's sorted vocabulary."""
+    calibration: list[list[float]] | None = None
+    """calibration[k][r]: fraction of held-out positions where head k's rank-r guess (r from 0) was the token
+    (measured by the last validation run of training); the tree search starts from it."""
     tree: list[list[int]] | None = None
     """Paths of the decoding tree chosen for these heads (see `mtp.tree`); None: the default named tree."""
 
@@ -112,13 +115,17 @@ class MedusaHeads(nn.Module):
                 f"load them with the base they were trained for, or train heads for this base."
             )
 
-    def save_pretrained(self, folder: str | Path) -> None:
-        """Write `config.json` and `model.safetensors` (heads only, never base weights)."""
+    def save_config(self, folder: str | Path) -> None:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "config.json").write_text(json.dumps(asdict(self.config), indent=2) + "\n")
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        """Write `config.json` and `model.safetensors` (heads only, never base weights)."""
+        self.save_config(folder)
         save_file(
-            {name: tensor.contiguous() for name, tensor in self.state_dict().items()}, folder / "model.safetensors"
+            {name: tensor.contiguous() for name, tensor in self.state_dict().items()},
+            Path(folder) / "model.safetensors",
         )
 
     @classmethod

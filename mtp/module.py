@@ -8,15 +8,33 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
-from torchmetrics import MeanMetric
+from torchmetrics import MeanMetric, Metric
 
 from mtp.base import DEFAULT_BASE, load_base
 from mtp.heads import HeadsConfig, MedusaHeads, base_identity
 from mtp.loss import IGNORE, default_weights, head_targets, heads_loss
 
 TOP_K = (1, 5)
+RANKS = 10  # calibration: how often each head's rank-r guess is right, r < RANKS
 # Lightning warns about modules in eval mode when training starts: the frozen base is, on purpose.
 warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode")
+
+
+class RankAccuracy(Metric):
+    """Per head, the fraction of positions where the head's rank-r guess is the target, for r < RANKS."""
+
+    def __init__(self, num_heads: int):
+        super().__init__()
+        self.add_state("hits", torch.zeros(num_heads, RANKS), dist_reduce_fx="sum")
+        self.add_state("positions", torch.zeros(num_heads), dist_reduce_fx="sum")
+
+    def update(self, hits: torch.Tensor, valid: torch.Tensor) -> None:
+        """hits (K, N, RANKS): head k's rank-r guess at position n is the target; valid (K, N): n has a target."""
+        self.hits += (hits & valid.unsqueeze(-1)).sum(1).float()
+        self.positions += valid.sum(1).float()
+
+    def compute(self) -> torch.Tensor:
+        return self.hits / self.positions.clamp(min=1).unsqueeze(-1)  # (K, RANKS)
 
 
 class HeadsModule(L.LightningModule):
@@ -70,6 +88,7 @@ class HeadsModule(L.LightningModule):
                 for top in TOP_K
             }
         )
+        self.rank_accuracy = RankAccuracy(num_heads)  # over each validation run; saved with the heads
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -105,7 +124,9 @@ class HeadsModule(L.LightningModule):
         self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=batch_size, sync_dist=stage == "val")
         # hits[k, n, r]: head k's rank-r guess at position n is the target (MulticlassAccuracy over a
         # 49k-class vocabulary is orders of magnitude slower than this)
-        hits = logits.detach().topk(max(TOP_K), dim=-1).indices == targets.unsqueeze(-1)  # (K, N, max top)
+        hits = logits.detach().topk(RANKS, dim=-1).indices == targets.unsqueeze(-1)  # (K, N, RANKS)
+        if stage == "val":
+            self.rank_accuracy.update(hits, targets != IGNORE)
         for k in range(len(self.weights)):
             self.log(f"{stage}/head{k}_loss", per_head[k], batch_size=batch_size, sync_dist=stage == "val")
             valid = targets[k] != IGNORE  # (N,)
@@ -122,6 +143,15 @@ class HeadsModule(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         self._step(batch, "val")
+
+    def on_validation_epoch_start(self) -> None:
+        self.rank_accuracy.reset()
+
+    def on_validation_epoch_end(self) -> None:
+        if not self.trainer.sanity_checking:  # the last validation run calibrates the saved heads
+            self.heads.config.calibration = [
+                [round(a, 5) for a in head] for head in self.rank_accuracy.compute().tolist()
+            ]
 
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(

@@ -5,6 +5,7 @@ by taking rank r1 of head 0, then rank r2 of head 1, and so on. Node 0 is the ro
 itself chose last. A node at depth d holds a guess for the token d positions after the root.
 """
 
+import heapq
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,32 @@ class Tree:
         return len(self.paths) + 1
 
 
+def grow_tree(calibration: list[list[float]], max_nodes: int) -> tuple[list[Path], list[float]]:
+    """Grow a tree greedily, node by node, by the candidate with the highest probability of being accepted.
+
+    Args:
+        calibration: calibration[k][r], the probability that head k's rank-r guess is right.
+        max_nodes: the largest tree size, root included.
+
+    Returns:
+        (paths, expected_tau): paths in the order they were added, so `paths[: n - 1]` is the tree of n nodes,
+        and expected_tau[n - 1], the expected tokens per verification pass of that tree (n = 1: the root alone).
+    """
+    if max_nodes < 1:
+        raise ValueError(f"max_nodes={max_nodes}: a tree has at least the root.")
+    frontier = [(-p, 1, (r,)) for r, p in enumerate(calibration[0])]  # children of the root
+    heapq.heapify(frontier)  # ties: shallower first, then lower ranks; a child enters once its parent is in
+    paths, expected = [], [1.0]
+    while frontier and len(paths) < max_nodes - 1:
+        gain, _, path = heapq.heappop(frontier)
+        paths.append(path)
+        expected.append(expected[-1] - gain)
+        if len(path) < len(calibration):  # its children: the next head's guesses after this one
+            for r, p in enumerate(calibration[len(path)]):
+                heapq.heappush(frontier, (gain * p, len(path) + 1, path + (r,)))
+    return paths, expected
+
+
 # Hand-made trees for 4 heads, from a chain to 32 nodes; each is the same tree at every smaller size plus
 # the next most likely guesses (top ranks of the first heads first). On a CPU a 64-token pass costs about 4
 # plain steps, so the small ones are the CPU defaults.
@@ -84,8 +111,15 @@ NAMED_TREES: dict[str, list[Path]] = {
 DEFAULT_TREE = "small"
 
 
-def named_tree(name: str, num_heads: int) -> Tree:
-    """A shipped tree, without the nodes deeper than `num_heads`."""
+def named_tree(name: str, num_heads: int, calibration: list[list[float]] | None = None) -> Tree:
+    """A shipped tree without the nodes deeper than `num_heads`, or, for a number N, the N-node tree grown
+    from the heads' `calibration` (see `grow_tree`)."""
+    if name.isdigit():
+        if calibration is None:
+            raise ValueError(
+                f"Tree {name!r}: a tree grown to a size needs heads with calibration; name a tree instead."
+            )
+        return Tree.from_paths(grow_tree(calibration, int(name))[0], num_heads=num_heads)
     if name not in NAMED_TREES:
-        raise ValueError(f"Unknown tree {name!r}: choose one of {sorted(NAMED_TREES)}.")
+        raise ValueError(f"Unknown tree {name!r}: choose one of {sorted(NAMED_TREES)} or a number of nodes.")
     return Tree.from_paths([path for path in NAMED_TREES[name] if len(path) <= num_heads], num_heads=num_heads)

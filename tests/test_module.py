@@ -73,8 +73,13 @@ def test_heads_learn_a_predictable_future_far_above_chance(tmp_path, lm_head):
     module = HeadsModule(TINY_BASE, num_heads=3, lm_head=lm_head, lr=3e-3, warmup_steps=10)
     fit = trainer(tmp_path, max_steps=120, check_val_every_n_epoch=None, val_check_interval=120)
     fit.fit(module, data)
+    calibration = module.heads.config.calibration  # rank accuracies of the last validation run, saved with heads
     for k in range(3):  # one of 16 words follows: chance is 1/16
         assert fit.callback_metrics[f"val/head{k}_top1"] > 0.75, (k, fit.callback_metrics)
+        assert len(calibration[k]) == 10 and calibration[k][0] == pytest.approx(
+            float(fit.callback_metrics[f"val/head{k}_top1"]), abs=1e-4
+        )
+        assert sum(calibration[k][:5]) == pytest.approx(float(fit.callback_metrics[f"val/head{k}_top5"]), abs=1e-4)
 
 
 class Crash(Callback):

@@ -1,0 +1,55 @@
+import json
+
+import pytest
+
+import mtp
+from mtp.heads import MedusaHeads
+from mtp.sizing import SIZES, size_tree, step_costs
+from mtp.tree import grow_tree, named_tree
+from tests.test_stopping import save_random_heads
+
+# Two heads, three ranks: head 0 is right at rank 0 60% of the time, and so on.
+CALIBRATION = [[0.6, 0.2, 0.1], [0.5, 0.3, 0.1]]
+
+
+def test_greedy_growth_gives_the_hand_computed_tree_and_expected_tau():
+    paths, expected = grow_tree(CALIBRATION, max_nodes=7)
+    # node probabilities: (0) .6, (0,0) .3, (1) .2, (0,1) .18, then a tie at .1 between (2) and (1,0): the
+    # shallower first; (0,2) = (1,1) = .06 come later
+    assert paths == [(0,), (0, 0), (1,), (0, 1), (2,), (1, 0)]
+    assert expected == pytest.approx([1, 1.6, 1.9, 2.1, 2.28, 2.38, 2.48])
+    assert grow_tree(CALIBRATION, max_nodes=100)[0][-1] == (2, 2)  # all 3 + 9 nodes, the least likely last
+    assert len(grow_tree(CALIBRATION, max_nodes=100)[0]) == 12
+    assert named_tree("4", num_heads=2, calibration=CALIBRATION).paths == ((0,), (1,), (0, 0))
+    with pytest.raises(ValueError, match="needs heads with calibration"):
+        named_tree("4", num_heads=2)
+
+
+def test_the_cost_model_never_decreases_with_the_tree_size():
+    noisy = [0.05, 0.049, 0.06, 0.058, 0.07, 0.09, 0.1, 0.12, 0.16, 0.2, 0.3, 0.4]  # dips: timing noise
+    costs = step_costs(noisy, 80)
+    assert len(costs) == 80 and all(a <= b for a, b in zip(costs, costs[1:], strict=False))
+    assert costs[0] == 0.05 and costs[2] == 0.06 and costs[6] == pytest.approx(0.08)  # size 7: halfway
+    assert costs[-1] == 0.4  # flat past the largest timed size
+
+
+def test_sizing_times_the_device_and_saves_the_best_tree_which_load_then_uses(tmp_path, monkeypatch):
+    monkeypatch.setenv("MTP_CACHE", str(tmp_path / "cache"))
+    path, _, _ = save_random_heads(tmp_path, "shared")
+    with pytest.raises(ValueError, match="no calibration"):
+        size_tree(path, max_nodes=8)
+    heads = MedusaHeads.from_pretrained(path)
+    heads.config.calibration = [[0.9, 0.05] + [0.0] * 8] + [[0.8, 0.1] + [0.0] * 8] * (heads.config.num_heads - 1)
+    heads.save_config(path)
+    table = size_tree(path, max_nodes=8, context=32)
+    assert table["size"] == list(range(1, 9)) and table["expected_tau"][0] == 1
+    assert all(a <= b for a, b in zip(table["step_seconds"], table["step_seconds"][1:], strict=False))
+    best = max(table["size"], key=lambda n: table["expected_speedup"][n - 1])
+    assert table["chosen"] == best
+    cached = json.loads((tmp_path / "cache" / "step_seconds.json").read_text())
+    assert [len(v) for v in cached.values()] == [len([s for s in SIZES if s <= 8])]  # one device entry
+    decoder = mtp.load(path)
+    assert decoder.tree.size == best
+    assert decoder.tree.paths == tuple(sorted(grow_tree(heads.config.calibration, best)[0], key=lambda p: (len(p), p)))
+    size_tree(path, max_nodes=8, context=32)  # the second time, the cached timings: nothing new is measured
+    assert json.loads((tmp_path / "cache" / "step_seconds.json").read_text()) == cached
