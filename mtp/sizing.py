@@ -67,9 +67,10 @@ def step_costs(measured: list[float], max_nodes: int) -> list[float]:
     return costs
 
 
-def size_tree(heads_path: str, device: str = "cpu", dtype: torch.dtype = torch.float32, max_nodes: int = 64,
-              context: int = 256, remeasure: bool = False) -> dict:  # fmt: skip
-    """Choose and save the tree of `heads_path` for this device; returns the table it was chosen from."""
+def expected_speedups(heads_path: str, device: str = "cpu", dtype: torch.dtype = torch.float32, max_nodes: int = 64,
+                      context: int = 256, remeasure: bool = False) -> dict:  # fmt: skip
+    """Per tree size 1..max_nodes: expected tau, step seconds on this device (timed once, then cached in
+    `$MTP_CACHE/step_seconds.json`) and expected speedup; `chosen` is the size with the highest speedup."""
     heads = MedusaHeads.from_pretrained(heads_path)
     if heads.config.calibration is None:
         raise ValueError(
@@ -90,11 +91,19 @@ def size_tree(heads_path: str, device: str = "cpu", dtype: torch.dtype = torch.f
         os.replace(store.with_suffix(".tmp"), store)
     costs = step_costs(cached[key], len(expected))
     speedups = [tau * costs[0] / cost for tau, cost in zip(expected, costs, strict=True)]
-    best = max(range(len(speedups)), key=speedups.__getitem__)
-    heads.config.tree = [list(path) for path in paths[:best]]
-    heads.save_config(heads_path)
     return {"size": list(range(1, len(expected) + 1)), "expected_tau": expected, "step_seconds": costs,
-            "expected_speedup": speedups, "chosen": best + 1, "device": key}  # fmt: skip
+            "expected_speedup": speedups, "chosen": max(range(len(speedups)), key=speedups.__getitem__) + 1,
+            "paths": paths, "device": key}  # fmt: skip
+
+
+def size_tree(heads_path: str, **options) -> dict:
+    """Save the tree with the highest expected speedup on this device into the heads' config (options: those
+    of `expected_speedups`); returns the table it was chosen from."""
+    table = expected_speedups(heads_path, **options)
+    heads = MedusaHeads.from_pretrained(heads_path)
+    heads.config.tree = [list(path) for path in table["paths"][: table["chosen"] - 1]]
+    heads.save_config(heads_path)
+    return table
 
 
 def main() -> None:
@@ -106,8 +115,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256, help="prompt tokens before the timed steps")
     parser.add_argument("--remeasure", action="store_true", help="time the steps again, even if cached")
     args = parser.parse_args()
-    table = size_tree(args.heads, args.device, getattr(torch, args.dtype), args.max_nodes, args.context,
-                      args.remeasure)  # fmt: skip
+    table = size_tree(args.heads, device=args.device, dtype=getattr(torch, args.dtype), max_nodes=args.max_nodes,
+                      context=args.context, remeasure=args.remeasure)  # fmt: skip
     print(f"{table['device']}\n  size  expected tau  step ms  expected speedup")
     columns = zip(*(table[k] for k in ("size", "expected_tau", "step_seconds", "expected_speedup")), strict=True)
     for n, tau, cost, speedup in columns:
