@@ -5,9 +5,10 @@ import torch
 from mtp.base import load_base
 from mtp.decoding import Decoder, GenerationResult
 from mtp.heads import MedusaHeads
+from mtp.sampling import Sampling
 from mtp.tree import DEFAULT_TREE, Tree, named_tree
 
-__all__ = ["Decoder", "GenerationResult", "load"]
+__all__ = ["Decoder", "GenerationResult", "Sampling", "load"]
 
 
 def load(

@@ -11,6 +11,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from mtp.cache import keep_accepted
 from mtp.heads import MedusaHeads
+from mtp.sampling import GREEDY, Sampling, accept_exact, accept_typical, draw
 from mtp.tree import Tree
 
 
@@ -44,7 +45,8 @@ class GenerationResult:
 
 
 class Decoder:
-    """Lossless greedy decoding of `base_model` with `heads` proposing a `tree` of candidates each step.
+    """Decoding of `base_model` with `heads` proposing a `tree` of candidates each step: greedy output equal
+    token for token to the base model's, or sampling with the base model's distribution (see `mtp.sampling`).
 
     Without heads, every step verifies the root alone: plain one-token decoding through the same loop.
     """
@@ -68,6 +70,9 @@ class Decoder:
         eos = base_model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.top_k = int(self.tree.ranks.max()) + 1 if self.tree.size > 1 else 1
+        self.children = [[] for _ in range(self.tree.size)]  # in rank order: nodes are breadth-first by ranks
+        for node, parent in enumerate(self.tree.parents.tolist()[1:], 1):
+            self.children[parent].append(node)
 
     def encode(self, prompt: str | list[dict]) -> torch.Tensor:
         """Prompt ids (1, T): chat messages go through the chat template, a string is taken as it is."""
@@ -84,9 +89,10 @@ class Decoder:
         return ids
 
     @torch.no_grad()
-    def steps(self, input_ids: torch.Tensor) -> Iterator[list[int]]:
+    def steps(self, input_ids: torch.Tensor, sampling: Sampling = GREEDY) -> Iterator[list[int]]:
         """Yield the tokens each pass settles: the prefill's first token, then per step the accepted candidates
         and the bonus token. Runs until the caller stops iterating."""
+        generator = sampling.generator()
         device = self.base_model.device
         backbone, lm_head = self.base_model.get_decoder(), self.base_model.get_output_embeddings()
         tree = self.tree
@@ -96,7 +102,8 @@ class Decoder:
         cache = DynamicCache(config=self.base_model.config)
         hidden = backbone(input_ids=input_ids.to(device), cache=cache, use_cache=True).last_hidden_state
         prefix_len = input_ids.shape[1]
-        root = int(lm_head(hidden[0, -1]).argmax())
+        logits = lm_head(hidden[0, -1])  # (V,)
+        root = int(logits.argmax()) if sampling.greedy else draw(sampling.probabilities(logits).cpu(), generator)
         last_hidden = hidden[0, -1]  # (H,) the last accepted position's hidden state
         yield [root]
         while True:
@@ -116,36 +123,56 @@ class Decoder:
                     use_cache=True,
                 ).last_hidden_state[0]  # (N+1, H)
             with record_function("mtp.accept"):
-                predictions = lm_head(hidden).argmax(-1)  # (N+1,) the base model's choice after each node
-                # Greedy acceptance: along each root-to-leaf path, node d+1 is right iff its token is the base
-                # model's prediction at node d; a path's accepted length is its number of leading right nodes.
-                children = paths[:, 1:]  # (L, D)
-                right = (children >= 0) & (tokens[children.clamp(min=0)] == predictions[paths[:, :-1].clamp(min=0)])
-                accepted = right.int().cumprod(1).sum(1)  # (L,)
-                best = int(accepted.argmax())
-                nodes = paths[best, : int(accepted[best]) + 1]  # (A+1,) root and accepted candidates
+                logits = lm_head(hidden)  # (N+1, V) the base model's next-token logits after each node
+                if sampling.greedy:
+                    nodes, root = self._accept_greedy(tokens, logits.argmax(-1), paths)
+                elif sampling.acceptance == "exact":  # each node's distribution is computed once it is reached
+                    reach = logits.__getitem__
+                    nodes, root = accept_exact(tokens.cpu(), self.children, reach, sampling, generator)
+                else:
+                    probs = sampling.probabilities(logits).cpu()
+                    nodes, root = accept_typical(tokens.cpu(), tree.retrieve, probs, sampling, generator)
+                nodes = torch.as_tensor(nodes, device=device)  # (A+1,) root and accepted candidates
             with record_function("mtp.cache"):
                 keep_accepted(cache, prefix_len, nodes)
             prefix_len += len(nodes)
-            root = int(predictions[nodes[-1]])  # the bonus token
             last_hidden = hidden[nodes[-1]]
             yield tokens[nodes[1:]].tolist() + [root]
 
-    def generate(self, prompt: str | list[dict], max_new_tokens: int = 128, stop: list[str] = ()) -> GenerationResult:
-        """Generate greedily: token for token what the base model alone would generate.
+    @staticmethod
+    def _accept_greedy(tokens: torch.Tensor, predictions: torch.Tensor, paths: torch.Tensor) -> tuple[list[int], int]:
+        """Along each root-to-leaf path, node d+1 is right iff its token is the base model's prediction at node
+        d; the path with the most leading right nodes wins, and the prediction after its last is the bonus."""
+        children = paths[:, 1:]  # (L, D)
+        right = (children >= 0) & (tokens[children.clamp(min=0)] == predictions[paths[:, :-1].clamp(min=0)])
+        accepted = right.int().cumprod(1).sum(1)  # (L,)
+        best = int(accepted.argmax())
+        nodes = paths[best, : int(accepted[best]) + 1].tolist()
+        return nodes, int(predictions[nodes[-1]])
+
+    def generate(
+        self, prompt: str | list[dict], max_new_tokens: int = 128, stop: list[str] = (), sampling: Sampling = GREEDY
+    ) -> GenerationResult:
+        """Generate: greedily (token for token what the base model alone would generate), or by `sampling`.
 
         Args:
             prompt: chat messages (put through the chat template) or text (tokenized as it is).
             max_new_tokens: at most this many new tokens, exactly this many unless generation stops first.
             stop: stop sequences, matched on the decoded text; the result ends before the first one found.
+            sampling: temperature, top-k, top-p, seed and acceptance rule; default greedy.
         """
         result = GenerationResult()
-        for _ in self.stream(prompt, max_new_tokens, stop, result):
+        for _ in self.stream(prompt, max_new_tokens, stop, result, sampling):
             pass
         return result
 
     def stream(
-        self, prompt: str | list[dict], max_new_tokens: int = 128, stop: list[str] = (), result: GenerationResult = None
+        self,
+        prompt: str | list[dict],
+        max_new_tokens: int = 128,
+        stop: list[str] = (),
+        result: GenerationResult = None,
+        sampling: Sampling = GREEDY,
     ) -> Iterator[str]:
         """`generate`, yielding the text as it is settled and never any text past a stop sequence; pass a
         `GenerationResult()` as `result` to get the figures once the stream ends."""
@@ -156,7 +183,7 @@ class Decoder:
         shown = 0  # characters of text already yielded
         if max_new_tokens <= 0:
             return
-        for passes, settled in enumerate(self.steps(input_ids)):
+        for passes, settled in enumerate(self.steps(input_ids, sampling)):
             if passes:  # the prefill is not a verification pass
                 result.forward_passes += 1
                 result.accept_lengths.append(len(settled))

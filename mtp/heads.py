@@ -99,11 +99,10 @@ class MedusaHeads(nn.Module):
             hidden: the base model's last hidden states (after its final norm).
             base_lm_head: the base model's output projection, used when `lm_head == "shared"`.
         """
-        logits = []
-        for k, blocks in enumerate(self.blocks):
-            projection = base_lm_head if self.projections is None else self.projections[k]
-            logits.append(projection(blocks(hidden)))  # (..., V)
-        return torch.stack(logits)  # (K, ..., V)
+        states = torch.stack([blocks(hidden) for blocks in self.blocks])  # (K, ..., H)
+        if self.projections is None:  # one pass over the shared weight for all heads, not one per head
+            return base_lm_head(states)  # (K, ..., V)
+        return torch.stack([projection(state) for projection, state in zip(self.projections, states, strict=True)])
 
     def check_base(self, name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
         """Raise if these heads were trained for a base other than (model, tokenizer)."""

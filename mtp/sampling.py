@@ -1,0 +1,128 @@
+"""Sampling settings and the rules that accept sampled candidates from the tree.
+
+Exact acceptance (the default) keeps the base model's output distribution. At a tree node whose processed
+target distribution is p (the base model's next-token distribution after temperature, top-k and top-p), the
+node's children x1, x2, ... (the heads' top guesses, in rank order, fixed before the base model ran) are tried
+in turn: child xj is accepted with probability p(xj) (p renormalised after each rejection, with the rejected
+token's mass set to 0), which makes the walk one draw from p without replacement. The chance to emit xj is
+(1 - p(x1) - ... - p(xj-1)) * p(xj) / (1 - p(x1) - ... - p(xj-1)) = p(xj), and a token y that is no child is
+emitted, after every child is rejected, with (1 - sum of the children's p) * p(y) / (1 - sum of the children's
+p) = p(y). So every emitted token has exactly p's distribution, whatever the heads guessed. An accepted child
+is then a node whose own p the same verification pass computed (with the child in its context), and the walk
+goes on from there; at a leaf, the bonus token is drawn from the leaf's p.
+
+Typical acceptance (Medusa's rule, opt-in) accepts a candidate x if p(x) > min(epsilon, delta * exp(-H(p)))
+along the longest such path and draws the next token from p. It is faster on flat distributions, but it does
+NOT keep the base model's distribution: the output is a different, if plausible, sample.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+ACCEPTANCE = ("exact", "typical")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How tokens are chosen: temperature 0 is greedy decoding (lossless token for token)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 keeps all."""
+    top_p: float = 1.0
+    """Keep the fewest most likely tokens whose probabilities sum to at least top_p; 1 keeps all."""
+    seed: int | None = None
+    """Seed of the random generator: the same seed, prompt and settings give the same output."""
+    acceptance: str = "exact"
+    """`exact` keeps the base model's distribution; `typical` (Medusa's rule) does not."""
+    epsilon: float = 0.09
+    """Typical acceptance: the hard probability threshold."""
+    delta: float = 0.3
+    """Typical acceptance: the entropy-scaled threshold, delta * exp(-entropy)."""
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature}: use 0 (greedy) or a positive temperature.")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k}: use 0 (off) or a positive number of tokens.")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p}: use a probability in (0, 1]; 1 is off.")
+        if self.acceptance not in ACCEPTANCE:
+            raise ValueError(f"acceptance={self.acceptance!r}: choose one of {ACCEPTANCE}.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generator(self) -> torch.Generator:
+        generator = torch.Generator()
+        if self.seed is None:
+            generator.seed()  # a fresh random seed
+        else:
+            generator.manual_seed(self.seed)
+        return generator
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """Next-token distributions (..., V) after temperature, then top-k, then top-p, in float32."""
+        logits = logits.float() / self.temperature
+        if self.top_k:
+            kth = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = logits.softmax(-1)
+        if self.top_p < 1:
+            sorted_probs, order = probs.sort(-1, descending=True)
+            before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the more likely tokens
+            drop = (before >= self.top_p).scatter(-1, order, before >= self.top_p)  # back to vocabulary order
+            probs = probs.masked_fill(drop, 0)
+            probs = probs / probs.sum(-1, keepdim=True)
+        return probs
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def accept_exact(tokens: torch.Tensor, children: list[list[int]], logits, sampling: Sampling, generator):
+    """The walk in the module docstring: returns (accepted nodes from the root, next token).
+
+    Args:
+        tokens: (N+1,) the tree's tokens (on the CPU).
+        children: children[i], node i's children in rank order.
+        logits: logits(i) -> (V,) the base model's next-token logits after node i.
+    """
+    nodes = [0]
+    p = sampling.probabilities(logits(0)).cpu()
+    while True:
+        for child in children[nodes[-1]]:
+            x = int(tokens[child])
+            if float(torch.rand((), generator=generator)) < float(p[x]):
+                nodes.append(child)
+                p = sampling.probabilities(logits(child)).cpu()
+                break
+            p = p.clone()
+            p[x] = 0
+            p /= p.sum()
+        else:  # every child rejected, or a leaf
+            return nodes, draw(p, generator)
+
+
+def accept_typical(tokens, paths, probs_all, sampling: Sampling, generator):
+    """Medusa's typical acceptance: the longest path whose every candidate x has p(x) above the threshold at
+    its parent; returns (accepted nodes from the root, next token drawn from p at the last one).
+
+    Args:
+        tokens: (N+1,) the tree's tokens; paths: (L, D+1) retrieve indices (-1 padded);
+        probs_all: (N+1, V) processed distributions after every node.
+    """
+    entropy = -(probs_all * probs_all.clamp(min=1e-30).log()).sum(-1)  # (N+1,)
+    threshold = torch.clamp(sampling.delta * torch.exp(-entropy), max=sampling.epsilon)  # (N+1,)
+    parents, children = paths[:, :-1].clamp(min=0), paths[:, 1:]  # (L, D)
+    likely = probs_all[parents, tokens[children.clamp(min=0)]] > threshold[parents]  # (L, D)
+    accepted = ((children >= 0) & likely).int().cumprod(1).sum(1)  # (L,)
+    best = int(accepted.argmax())
+    nodes = paths[best, : int(accepted[best]) + 1].tolist()
+    return nodes, draw(probs_all[nodes[-1]], generator)
+
+
+GREEDY = Sampling()

@@ -1,0 +1,167 @@
+import itertools
+import math
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+import mtp.decoding
+from mtp.decoding import Decoder
+from mtp.heads import HeadsConfig, MedusaHeads
+from mtp.sampling import Sampling
+from mtp.tree import Tree
+from tests.test_decoding import random_heads, reference, tiny_model
+
+VOCAB = 8
+PROMPT = torch.tensor([[3, 7, 1]])
+TREE = Tree.from_paths([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+
+
+def small_vocab_decoder(seed=0) -> Decoder:
+    """A 1-layer Llama over 8 tokens, peaked enough that a few continuations dominate, and random heads."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         eos_token_id=None, bos_token_id=None, pad_token_id=None)  # fmt: skip
+    config._attn_implementation = "eager"
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(60)  # sharper next-token distributions than a fresh init's near-uniform ones
+    heads = MedusaHeads(HeadsConfig(num_heads=3, lm_head="own", hidden_size=16, vocab_size=VOCAB))
+    for parameter in heads.parameters():
+        torch.nn.init.normal_(parameter, std=0.5)
+    return Decoder(model, None, heads.eval(), TREE)
+
+
+def exact_joint(model, sampling: Sampling) -> dict[tuple, float]:
+    """The base model's probability of every 3-token continuation of PROMPT, by enumeration."""
+    sequences = torch.tensor(list(itertools.product(range(VOCAB), repeat=2)))  # (V^2, 2)
+    ids = torch.cat([PROMPT.expand(len(sequences), -1), sequences], 1)  # (V^2, P+2)
+    with torch.no_grad():
+        probs = sampling.probabilities(model(ids).logits[:, -3:])  # (V^2, 3, V) after the prompt, x1, x2
+    joint = {}
+    for row, (x1, x2) in enumerate(sequences.tolist()):
+        for x3 in range(VOCAB):
+            joint[(x1, x2, x3)] = float(probs[row, 0, x1] * probs[row, 1, x2] * probs[row, 2, x3])
+    return joint
+
+
+def sample(decoder: Decoder, sampling: Sampling, n: int) -> tuple[Counter, Counter]:
+    """n continuations of 3 tokens (seeds sampling.seed + i), and how many tokens each step settled."""
+    found, settled = Counter(), Counter()
+    for i in range(n):
+        tokens = []
+        for step, block in enumerate(decoder.steps(PROMPT, replace(sampling, seed=sampling.seed + i))):
+            tokens += block
+            settled[len(block)] += step > 0
+            if len(tokens) >= 3:
+                break
+        found[tuple(tokens[:3])] += 1
+    return found, settled
+
+
+def chi_square_z(found: Counter, joint: dict[tuple, float]) -> float:
+    """Pearson's chi-square of the counts against the exact joint (cells expected below 5 pooled), as a
+    standard normal z by the Wilson-Hilferty approximation: z > 4 happens by chance with p < 4e-5."""
+    n = sum(found.values())
+    assert set(found) <= {x for x, p in joint.items() if p > 0}, "a continuation the base model cannot produce"
+    big = [x for x, p in joint.items() if n * p >= 5]
+    cells = [(found[x], n * joint[x]) for x in big]
+    cells.append((n - sum(found[x] for x in big), n * (1 - sum(joint[x] for x in big))))
+    statistic = sum((o - e) ** 2 / e for o, e in cells if e > 0)
+    df = len(cells) - 1
+    return ((statistic / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+
+
+SETTINGS = [Sampling(temperature=1.0, seed=0), Sampling(temperature=0.7, top_k=6, top_p=0.9, seed=10**6)]
+
+
+@pytest.mark.parametrize("sampling", SETTINGS, ids=["t1", "t0.7-k6-p0.9"])
+def test_exact_acceptance_samples_the_base_models_joint_distribution(sampling):
+    decoder = small_vocab_decoder()
+    joint = exact_joint(decoder.base_model, sampling)
+    found, settled = sample(decoder, sampling, 20_000)
+    assert settled[1] > 1000 and sum(v for k, v in settled.items() if k > 1) > 1000  # rejections and acceptances
+    assert chi_square_z(found, joint) < 4
+
+
+def test_the_distribution_test_catches_a_rule_that_accepts_every_guess(monkeypatch):
+    def accept_always(tokens, children, logits, sampling, generator):
+        nodes = [0]
+        while children[nodes[-1]]:
+            nodes.append(children[nodes[-1]][0])
+        return nodes, mtp.decoding.draw(sampling.probabilities(logits(nodes[-1])), generator)
+
+    decoder, sampling = small_vocab_decoder(), SETTINGS[0]
+    monkeypatch.setattr(mtp.decoding, "accept_exact", accept_always)
+    found, _ = sample(decoder, sampling, 2_000)
+    with pytest.raises(AssertionError, match="cannot produce|chi"):
+        assert chi_square_z(found, exact_joint(decoder.base_model, sampling)) < 4, "chi-square rejects"
+
+
+def test_top_k_top_p_and_temperature_process_logits_as_plain_sampling_does():
+    logits = torch.randn(64, 200, generator=torch.Generator().manual_seed(0)) * 3
+    for temperature, top_k, top_p in [(1.0, 0, 1.0), (0.7, 20, 1.0), (1.3, 0, 0.8), (0.5, 50, 0.6), (1.0, 1, 1.0)]:
+        ours = Sampling(temperature=temperature, top_k=top_k, top_p=top_p).probabilities(logits)
+        hf = TemperatureLogitsWarper(temperature)(None, logits)
+        hf = TopKLogitsWarper(top_k)(None, hf) if top_k else hf
+        hf = TopPLogitsWarper(top_p)(None, hf) if top_p < 1 else hf
+        hf = hf.softmax(-1)
+        assert torch.equal(ours > 0, hf > 0), (temperature, top_k, top_p)  # the same support
+        assert torch.allclose(ours, hf, atol=1e-6)
+        if top_k:
+            assert ((ours > 0).sum(-1) <= top_k).all()
+
+
+@pytest.mark.parametrize(
+    "sampling", [Sampling(temperature=0.8, top_k=3, seed=5), Sampling(temperature=1.0, top_p=0.5, seed=5)]
+)
+def test_every_sampled_token_is_in_the_support_that_top_k_and_top_p_leave(sampling):
+    decoder = small_vocab_decoder()
+    for i in range(20):
+        tokens = []
+        for block in decoder.steps(PROMPT, replace(sampling, seed=i)):
+            tokens += block
+            if len(tokens) >= 12:
+                break
+        ids = torch.cat([PROMPT, torch.tensor([tokens])], 1)
+        with torch.no_grad():
+            allowed = sampling.probabilities(decoder.base_model(ids).logits[0, PROMPT.shape[1] - 1 : -1]) > 0
+        assert allowed[torch.arange(len(tokens)), torch.tensor(tokens)].all()
+
+
+def test_temperature_zero_is_greedy_and_a_seed_makes_a_run_reproducible():
+    model = tiny_model()
+    decoder = Decoder(model, None, random_heads(model), TREE)
+    prompt = torch.tensor([[1, 5, 9, 4]])
+    greedy = reference(model, prompt, 24)
+    runs = {}
+    for sampling in [Sampling(temperature=0, top_k=5, seed=3), Sampling(temperature=0.9, seed=1),
+                     Sampling(temperature=0.9, seed=1), Sampling(temperature=0.9, seed=2)]:  # fmt: skip
+        tokens = []
+        for block in decoder.steps(prompt, sampling):
+            tokens += block
+            if len(tokens) >= 24:
+                break
+        runs.setdefault(sampling.seed, []).append(tokens[:24])
+    assert runs[3] == [greedy]
+    assert runs[1][0] == runs[1][1] and runs[1][0] != runs[2][0]
+
+
+def test_typical_acceptance_takes_likely_guesses_and_rejects_unlikely_ones():
+    decoder = small_vocab_decoder()
+    typical = Sampling(temperature=1.0, seed=0, acceptance="typical")
+    found, settled = sample(decoder, typical, 300)
+    assert sum(v for k, v in settled.items() if k > 1) > 0 and settled[1] > 0
+    with pytest.raises(ValueError, match="acceptance='fast'"):
+        Sampling(temperature=1.0, acceptance="fast")
+
+
+@pytest.mark.parametrize("options, message", [(dict(temperature=-1), "temperature"), (dict(top_k=-2), "top_k"),
+                                              (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p")])  # fmt: skip
+def test_bad_sampling_settings_are_clear_errors(options, message):
+    with pytest.raises(ValueError, match=message):
+        Sampling(**options)
