@@ -15,6 +15,7 @@ import mtp
 from mtp.base import DEFAULT_BASE, load_base
 from mtp.decoding import Decoder, GenerationResult
 from mtp.rows import read_rows
+from mtp.sampling import add_sampling_arguments, sampling_from
 from mtp.tree import NAMED_TREES
 
 
@@ -57,12 +58,14 @@ def main() -> None:
         help=f"one of {sorted(NAMED_TREES)}, or a number N: the N-node tree grown from "
         "the heads' calibration (default: the tree saved with the heads)",
     )
+    add_sampling_arguments(parser)
     parser.add_argument("--stream", action="store_true", help="print text as it is accepted")
     parser.add_argument("--json", action="store_true", help="one JSON object per answer on stdout")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
+    sampling = sampling_from(args)
     if args.heads:
         decoder = mtp.load(args.heads, args.device, dtype, tree=args.tree, base_model=args.base_model)
     else:
@@ -76,7 +79,7 @@ def main() -> None:
             messages.append({"role": "user", "content": turn})
             prompt = messages if chat else turn
             result = GenerationResult()
-            for text in decoder.stream(prompt, args.max_new_tokens, args.stop, result):
+            for text in decoder.stream(prompt, args.max_new_tokens, args.stop, result, sampling):
                 if args.stream or interactive:
                     print(text, end="", flush=True)
             if args.stream or interactive:

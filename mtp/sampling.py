@@ -16,6 +16,7 @@ along the longest such path and draws the next token from p. It is faster on fla
 NOT keep the base model's distribution: the output is a different, if plausible, sample.
 """
 
+import argparse
 from dataclasses import dataclass
 
 import torch
@@ -126,3 +127,21 @@ def accept_typical(tokens, paths, probs_all, sampling: Sampling, generator):
 
 
 GREEDY = Sampling()
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """The sampling options of decode.py and mtp.bench."""
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy, the base's own output")
+    parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="sample from the top-p probability mass (1: all)")
+    parser.add_argument("--seed", type=int, help="random seed: the same seed gives the same output")
+    parser.add_argument("--acceptance", choices=ACCEPTANCE, default="exact",
+                        help="exact (default): samples keep the base model's distribution; typical: Medusa's "
+                        "typical acceptance, often faster but NOT the base model's distribution")  # fmt: skip
+
+
+def sampling_from(args: argparse.Namespace) -> Sampling:
+    try:
+        return Sampling(args.temperature, args.top_k, args.top_p, args.seed, args.acceptance)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None

@@ -155,3 +155,18 @@ def test_decode_py_chats_interactively_without_heads_until_input_ends():
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("> ") == 3  # two turns answered, then the end of input
     assert "(12 tokens, 10 verification passes)" in done.stderr  # plain decoding: one token per pass
+
+
+def test_decode_py_samples_reproducibly_with_a_seed_and_refuses_bad_settings(tmp_path):
+    path, _, _ = save_random_heads(tmp_path)
+    command = [sys.executable, str(ROOT / "decode.py"), "--heads", path, "--prompt", "Count to 5.", "--json",
+               "--max-new-tokens", "16", "--temperature", "1.0", "--top-k", "50"]  # fmt: skip
+    runs = [subprocess.run(command + ["--seed", seed], cwd=ROOT, capture_output=True, text=True, timeout=300)
+            for seed in ("1", "1", "2")]  # fmt: skip
+    assert all(done.returncode == 0 for done in runs), runs[0].stderr[-2000:]
+    texts = [json.loads(done.stdout)["text"] for done in runs]
+    assert texts[0] == texts[1] and texts[0] != texts[2]
+    done = subprocess.run(command + ["--top-p", "0"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "top_p=0.0: use a probability in (0, 1]" in done.stderr
+    help_text = subprocess.run([sys.executable, str(ROOT / "decode.py"), "--help"], capture_output=True, text=True)
+    assert "NOT the base model's distribution" in " ".join(help_text.stdout.split())
