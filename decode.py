@@ -1,13 +1,15 @@
-"""Generate with trained heads (or, without --heads, plain one-token decoding of a base model).
+"""Generate with trained heads: by default the heads shipped in heads/ for the packaged SmolLM2; with
+--base-model and no --heads, plain one-token decoding of that model.
 
-python decode.py --heads runs/.../heads --prompt "Explain KV caches."
+python decode.py --prompt "Explain KV caches."
 python decode.py --heads runs/.../heads --prompts-file questions.jsonl --json > answers.jsonl
-python decode.py --heads runs/.../heads            # interactive chat
+python decode.py --temperature 0.7 --seed 0       # interactive chat, sampling
 """
 
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -17,6 +19,8 @@ from mtp.decoding import Decoder, GenerationResult
 from mtp.rows import read_rows
 from mtp.sampling import add_sampling_arguments, sampling_from
 from mtp.tree import NAMED_TREES
+
+SHIPPED_HEADS = Path(__file__).parent / "heads" / "smollm2-135m-instruct"  # trained by configs/smollm2-sharegpt.yaml
 
 
 def conversations(args) -> list[list[str]]:
@@ -47,7 +51,8 @@ def typed_turns():
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--heads", help="heads folder; without it, plain decoding of --base-model")
+    parser.add_argument("--heads", help=f"heads folder (default: {SHIPPED_HEADS.relative_to(Path(__file__).parent)}, "
+                        "unless --base-model is given: then plain decoding of it)")  # fmt: skip
     parser.add_argument("--base-model", help=f"base model to use (default: the heads' own, else {DEFAULT_BASE})")
     parser.add_argument("--prompt", help="one prompt (sent as a user message when the model has a chat template)")
     parser.add_argument("--prompts-file", help="JSON lines with `turns` (MT-Bench), `prompt` or `text`")
@@ -66,6 +71,8 @@ def main() -> None:
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     sampling = sampling_from(args)
+    if args.heads is None and args.base_model is None:
+        args.heads = str(SHIPPED_HEADS)
     if args.heads:
         decoder = mtp.load(args.heads, args.device, dtype, tree=args.tree, base_model=args.base_model)
     else:
