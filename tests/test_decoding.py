@@ -186,3 +186,20 @@ def test_the_packaged_smollm2_decodes_mt_bench_exactly_as_its_own_greedy_search(
         oracle = OracleHeads(model, torch.cat([input_ids[0], torch.tensor(expected)]), num_heads=4)
         result = Decoder(model, tokenizer, oracle, TREE).generate(messages, max_new_tokens=64)
         assert result.token_ids == expected and result.tau > 3
+
+
+def test_the_shipped_heads_decode_the_first_mt_bench_question_as_plain_greedy_does():
+    import json
+
+    import mtp
+    from mtp.bench import timed_generate
+    from mtp.sampling import GREEDY
+    from tests.conftest import ROOT, SHARED_DATA
+
+    decoder = mtp.load(str(ROOT / "heads" / "smollm2-135m-instruct"))  # the tree saved with them by mtp.sizing
+    assert decoder.tree.size > 1 and decoder.heads.config.calibration is not None
+    question = json.loads((SHARED_DATA / "mt_bench.jsonl").read_text().splitlines()[0])["turns"][0]
+    messages = [{"role": "user", "content": question}]
+    result = decoder.generate(messages, max_new_tokens=128)
+    expected, _ = timed_generate(decoder.base_model, decoder.encode(messages), 128, GREEDY)  # plain, EOS cut
+    assert result.token_ids == expected and max(result.accept_lengths) > 1  # some guesses were accepted
