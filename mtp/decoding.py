@@ -126,9 +126,8 @@ class Decoder:
                 logits = lm_head(hidden)  # (N+1, V) the base model's next-token logits after each node
                 if sampling.greedy:
                     nodes, root = self._accept_greedy(tokens, logits.argmax(-1), paths)
-                elif sampling.acceptance == "exact":  # each node's distribution is computed once it is reached
-                    reach = logits.__getitem__
-                    nodes, root = accept_exact(tokens.cpu(), self.children, reach, sampling, generator)
+                elif sampling.acceptance == "exact":
+                    nodes, root = accept_exact(tokens.cpu(), self.children, logits, sampling, generator)
                 else:
                     probs = sampling.probabilities(logits).cpu()
                     nodes, root = accept_typical(tokens.cpu(), tree.retrieve, probs, sampling, generator)

@@ -90,16 +90,17 @@ def accept_exact(tokens: torch.Tensor, children: list[list[int]], logits, sampli
     Args:
         tokens: (N+1,) the tree's tokens (on the CPU).
         children: children[i], node i's children in rank order.
-        logits: logits(i) -> (V,) the base model's next-token logits after node i.
+        logits: (N+1, V) the base model's next-token logits after each node; a node's distribution is computed
+            only once the walk reaches it.
     """
     nodes = [0]
-    p = sampling.probabilities(logits(0)).cpu()
+    p = sampling.probabilities(logits[0]).cpu()
     while True:
         for child in children[nodes[-1]]:
             x = int(tokens[child])
             if float(torch.rand((), generator=generator)) < float(p[x]):
                 nodes.append(child)
-                p = sampling.probabilities(logits(child)).cpu()
+                p = sampling.probabilities(logits[child]).cpu()
                 break
             p = p.clone()
             p[x] = 0

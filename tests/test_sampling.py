@@ -93,7 +93,7 @@ def test_the_distribution_test_catches_a_rule_that_accepts_every_guess(monkeypat
         nodes = [0]
         while children[nodes[-1]]:
             nodes.append(children[nodes[-1]][0])
-        return nodes, mtp.decoding.draw(sampling.probabilities(logits(nodes[-1])), generator)
+        return nodes, mtp.decoding.draw(sampling.probabilities(logits[nodes[-1]]), generator)
 
     decoder, sampling = small_vocab_decoder(), SETTINGS[0]
     monkeypatch.setattr(mtp.decoding, "accept_exact", accept_always)
