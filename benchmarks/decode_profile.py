@@ -22,7 +22,7 @@ def main() -> None:
     parser.add_argument("--questions", required=True)
     parser.add_argument("--limit", type=int, default=1, help="questions (the profiler holds every op: keep it small)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--tree", choices=sorted(NAMED_TREES))
+    parser.add_argument("--tree", help=f"one of {sorted(NAMED_TREES)} or a number of nodes (default: the heads' tree)")
     args = parser.parse_args()
     decoder = mtp.load(args.heads, tree=args.tree)
     prompts = [[{"role": "user", "content": row["turns"][0]}] for row in read_rows(args.questions)[: args.limit]]

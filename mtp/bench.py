@@ -36,8 +36,8 @@ def timed_generate(model, input_ids, max_new_tokens, sampling: Sampling, **optio
 
 
 def summarise(rows: list[dict]) -> dict:
-    """Totals over questions: each method's tokens/s counts its own tokens; mismatches (greedy only) count the
-    questions where mtp's output differs from plain `generate`'s."""
+    """Totals over questions: each method's tokens/s counts its own tokens; mismatches count the questions where
+    mtp's output differs from plain `generate`'s (greedy only; None when sampling)."""
     tokens = sum(row["mtp_tokens"] for row in rows)
     speed = {name: sum(row[f"{name}_tokens"] for row in rows) / sum(row[f"{name}_seconds"] for row in rows)
              for name in METHODS}  # fmt: skip
@@ -45,7 +45,7 @@ def summarise(rows: list[dict]) -> dict:
         "questions": len(rows), "tokens": tokens, "tau": tokens / max(sum(row["forward_passes"] for row in rows), 1),
         **{f"{name}_tokens_per_second": value for name, value in speed.items()},
         "speedup_vs_plain": speed["mtp"] / speed["plain"], "speedup_vs_lookup": speed["mtp"] / speed["lookup"],
-        "mismatches": sum(row["matches_plain"] is False for row in rows),
+        "mismatches": None if rows[0]["matches_plain"] is None else sum(not row["matches_plain"] for row in rows),
     }  # fmt: skip
 
 
@@ -55,7 +55,8 @@ def markdown(summary: dict[str, dict]) -> str:
     for name, s in summary.items():
         figures = [s["questions"], f"{s['tau']:.2f}"]
         figures += [f"{s[f'{method}_tokens_per_second']:.1f}" for method in ("mtp", "plain", "lookup")]
-        figures += [f"{s['speedup_vs_plain']:.2f}x", f"{s['speedup_vs_lookup']:.2f}x", s["mismatches"]]
+        mismatches = "n/a (sampling)" if s["mismatches"] is None else s["mismatches"]
+        figures += [f"{s['speedup_vs_plain']:.2f}x", f"{s['speedup_vs_lookup']:.2f}x", mismatches]
         lines.append(f"| {name} | " + " | ".join(str(figure) for figure in figures) + " |")
     return "\n".join(lines)
 

@@ -32,23 +32,28 @@ def device_name(device: str) -> str:
     return f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
 
 
-def measure_steps(model, tokenizer, heads: MedusaHeads, paths: list[Path], context: int, steps: int = 6) -> list[float]:
-    """Seconds per decoding step (median of `steps`, after 2 warm-up steps) for each size in SIZES that
-    `paths` can fill, after a prompt of `context` random tokens; size 1 is plain decoding, without heads."""
+def measure_steps(model, tokenizer, heads: MedusaHeads, paths: list[Path], context: int, steps: int = 4,
+                  rounds: int = 3) -> list[float]:  # fmt: skip
+    """Seconds per decoding step for each size in SIZES that `paths` can fill, after a prompt of `context`
+    random tokens; size 1 is plain decoding, without heads. Sizes are timed in turn, `rounds` times over
+    (so that a slow spell of the machine does not fall on one size), `steps` steps each after a warm-up
+    step; the median of each size's steps is its cost."""
     prompt = torch.randint(len(tokenizer), (1, context), generator=torch.Generator().manual_seed(0))
-    seconds = []
-    for size in [s for s in SIZES if s <= len(paths) + 1]:
-        decoder = Decoder(model, tokenizer, heads if size > 1 else None, Tree.from_paths(paths[: size - 1]))
-        loop, times = decoder.steps(prompt), []
-        next(loop)  # prefill
-        for _ in range(steps + 2):
-            start = time.perf_counter()
-            next(loop)
-            if model.device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        seconds.append(sorted(times[2:])[steps // 2])
-    return seconds
+    sizes = [s for s in SIZES if s <= len(paths) + 1]
+    times = {size: [] for size in sizes}
+    for _ in range(rounds):
+        for size in sizes:
+            decoder = Decoder(model, tokenizer, heads if size > 1 else None, Tree.from_paths(paths[: size - 1]))
+            loop = decoder.steps(prompt)
+            next(loop)  # prefill
+            next(loop)  # warm-up
+            for _ in range(steps):
+                start = time.perf_counter()
+                next(loop)
+                if model.device.type == "cuda":
+                    torch.cuda.synchronize()
+                times[size].append(time.perf_counter() - start)
+    return [sorted(times[size])[len(times[size]) // 2] for size in sizes]
 
 
 def step_costs(measured: list[float], max_nodes: int) -> list[float]:

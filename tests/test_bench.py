@@ -21,7 +21,7 @@ def test_bench_writes_its_json_and_table_and_finds_no_mismatch(tmp_path, samplin
     assert set(report) == {"settings", "summary", "questions"} and len(report["questions"]) == 3
     assert list(report["summary"]) == ["writing", "roleplay", "reasoning", "overall"]  # one per category first
     overall = report["summary"]["overall"]
-    assert overall["mismatches"] == 0 and overall["questions"] == 3 and overall["tau"] >= 1
+    assert overall["mismatches"] == (None if sampling else 0) and overall["questions"] == 3 and overall["tau"] >= 1
     assert {"speedup_vs_plain", "speedup_vs_lookup", "mtp_tokens_per_second"} <= set(overall)
     # greedy: every output equals plain generate's; sampling: outputs differ by chance, nothing is compared
     assert all(row["matches_plain"] is (True if not sampling else None) for row in report["questions"])
