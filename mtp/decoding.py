@@ -139,14 +139,16 @@ class Decoder:
             yield tokens[nodes[1:]].tolist() + [root]
 
     @staticmethod
-    def _accept_greedy(tokens: torch.Tensor, predictions: torch.Tensor, paths: torch.Tensor) -> tuple[list[int], int]:
+    def _accept_greedy(
+        tokens: torch.Tensor, predictions: torch.Tensor, paths: torch.Tensor
+    ) -> tuple[torch.Tensor, int]:
         """Along each root-to-leaf path, node d+1 is right iff its token is the base model's prediction at node
         d; the path with the most leading right nodes wins, and the prediction after its last is the bonus."""
         children = paths[:, 1:]  # (L, D)
         right = (children >= 0) & (tokens[children.clamp(min=0)] == predictions[paths[:, :-1].clamp(min=0)])
         accepted = right.int().cumprod(1).sum(1)  # (L,)
         best = int(accepted.argmax())
-        nodes = paths[best, : int(accepted[best]) + 1].tolist()
+        nodes = paths[best, : int(accepted[best]) + 1]  # (A+1,)
         return nodes, int(predictions[nodes[-1]])
 
     def generate(
