@@ -102,8 +102,7 @@ def accept_exact(tokens: torch.Tensor, children: list[list[int]], logits, sampli
                 nodes.append(child)
                 p = sampling.probabilities(logits[child]).cpu()
                 break
-            p = p.clone()
-            p[x] = 0
+            p[x] = 0  # p is this walk's own tensor, fresh from `probabilities`: changed in place
             p /= p.sum()
         else:  # every child rejected, or a leaf
             return nodes, draw(p, generator)
