@@ -1,7 +1,7 @@
 """Where a decoding step's time goes: heads and candidate building, the base model's pass over the tree,
 acceptance, cache bookkeeping, and the rest (Python, stop checks, detokenising), over a few MT-Bench questions.
 
-    python benchmarks/decode_profile.py --heads HEADS --questions ../shared/data/mt_bench.jsonl
+    python benchmarks/decode_profile.py --heads HEADS --questions data/mt_bench.jsonl
 """
 
 import argparse

@@ -2,7 +2,7 @@
 process: tau, tokens/s and speedups per category, and, when greedy, a check that every mtp output equals plain
 `generate`'s. With --temperature > 0 all three sample (the same temperature, top-k and top-p).
 
-    python -m mtp.bench --heads HEADS --questions ../shared/data/mt_bench.jsonl --limit 16 --max-new-tokens 128
+    python -m mtp.bench --heads HEADS --questions data/mt_bench.jsonl --limit 16 --max-new-tokens 128
 """
 
 import argparse

@@ -9,7 +9,7 @@ import pytest  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 TINY_BASE = str(ROOT / "configs" / "models" / "tiny-llama" / "config.json")
 TINY_CHAT = str(ROOT / "data" / "tiny_chat.jsonl")
-SHARED_DATA = ROOT.parent / "shared" / "data"
+DATA = ROOT / "data"
 
 
 @pytest.fixture(scope="session")

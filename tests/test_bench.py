@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, SHARED_DATA
+from tests.conftest import DATA, ROOT
 from tests.test_stopping import save_random_heads
 
 
@@ -13,7 +13,7 @@ from tests.test_stopping import save_random_heads
 def test_bench_writes_its_json_and_table_and_finds_no_mismatch(tmp_path, sampling):
     path, _, _ = save_random_heads(tmp_path, "own")
     out = tmp_path / "bench.json"
-    command = [sys.executable, "-m", "mtp.bench", "--heads", path, "--questions", str(SHARED_DATA / "mt_bench.jsonl"),
+    command = [sys.executable, "-m", "mtp.bench", "--heads", path, "--questions", str(DATA / "mt_bench.jsonl"),
                "--limit", "3", "--max-new-tokens", "12", "--out", str(out), *sampling]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

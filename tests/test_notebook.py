@@ -4,7 +4,7 @@ import nbformat
 from nbclient import NotebookClient
 
 from mtp.heads import MedusaHeads
-from tests.conftest import ROOT, SHARED_DATA
+from tests.conftest import DATA, ROOT
 from tests.test_stopping import save_random_heads
 
 
@@ -14,7 +14,7 @@ def test_the_evaluation_notebook_runs_end_to_end_on_a_tiny_model(tmp_path, monke
     heads.config.calibration = [[0.5, 0.2, 0.1] + [0.01] * 7] * heads.config.num_heads
     heads.save_config(path)
     bench = tmp_path / "bench.json"
-    settings = {"MTP_HEADS": path, "MTP_QUESTIONS": str(SHARED_DATA / "mt_bench.jsonl"), "MTP_BENCH": str(bench),
+    settings = {"MTP_HEADS": path, "MTP_QUESTIONS": str(DATA / "mt_bench.jsonl"), "MTP_BENCH": str(bench),
                 "MTP_LIMIT": "2", "MTP_MAX_NEW_TOKENS": "8", "MTP_SIZES": "1,2,4",
                 "MTP_CACHE": str(tmp_path / "cache")}  # fmt: skip
     for name, value in settings.items():
