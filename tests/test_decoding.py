@@ -171,11 +171,11 @@ def test_the_packaged_smollm2_decodes_mt_bench_exactly_as_its_own_greedy_search(
     import json
 
     from mtp.base import DEFAULT_BASE, load_base
-    from tests.conftest import SHARED_DATA
+    from tests.conftest import DATA
 
     model, tokenizer = load_base(DEFAULT_BASE)
     model.generation_config.eos_token_id = None  # EOS off: both sides run the full 64 tokens
-    questions = [json.loads(line) for line in (SHARED_DATA / "mt_bench.jsonl").read_text().splitlines()]
+    questions = [json.loads(line) for line in (DATA / "mt_bench.jsonl").read_text().splitlines()]
     fresh = MedusaHeads(HeadsConfig(num_heads=4, hidden_size=576, vocab_size=49152))  # predicts like the lm_head
     for question in questions[::16]:  # 5 questions, one from every other category
         messages = [{"role": "user", "content": question["turns"][0]}]
@@ -194,13 +194,13 @@ def test_the_shipped_heads_decode_the_first_mt_bench_question_as_plain_greedy_do
     import mtp
     from mtp.bench import timed_generate
     from mtp.sampling import GREEDY
-    from tests.conftest import ROOT, SHARED_DATA
+    from tests.conftest import DATA, ROOT
 
     shipped = str(ROOT / "heads" / "smollm2-135m-instruct")
     assert mtp.load(shipped).tree.size >= 1  # the tree mtp.sizing saved with them (on a CPU, maybe the root alone)
     decoder = mtp.load(shipped, tree="3")  # the root and head 0's two best guesses, grown from the calibration
     assert decoder.tree.size == 3 and decoder.heads.config.calibration is not None
-    question = json.loads((SHARED_DATA / "mt_bench.jsonl").read_text().splitlines()[0])["turns"][0]
+    question = json.loads((DATA / "mt_bench.jsonl").read_text().splitlines()[0])["turns"][0]
     messages = [{"role": "user", "content": question}]
     result = decoder.generate(messages, max_new_tokens=128)
     expected, _ = timed_generate(decoder.base_model, decoder.encode(messages), 128, GREEDY)  # plain, EOS cut
