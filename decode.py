@@ -15,6 +15,7 @@ import torch
 
 import mtp
 from mtp.base import DEFAULT_BASE, load_base
+from mtp.cli import user_errors
 from mtp.decoding import Decoder, GenerationResult
 from mtp.rows import read_rows
 from mtp.sampling import add_sampling_arguments, sampling_from
@@ -49,6 +50,7 @@ def typed_turns():
         yield line
 
 
+@user_errors
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", help=f"heads folder (default: {SHIPPED_HEADS.relative_to(Path(__file__).parent)}, "

@@ -3,6 +3,7 @@
 import torch
 from lightning.pytorch.cli import LightningCLI
 
+from mtp.cli import user_errors
 from mtp.data import HeadsDataModule
 from mtp.module import HeadsModule
 
@@ -12,6 +13,7 @@ class HeadsCLI(LightningCLI):
         parser.link_arguments("model.base_model", "data.base_model")
 
 
+@user_errors
 def main(args=None):
     precision = "bf16-mixed" if torch.cuda.is_available() else "32-true"
     HeadsCLI(HeadsModule, HeadsDataModule, trainer_defaults={"precision": precision}, args=args)

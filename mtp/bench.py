@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 import mtp
+from mtp.cli import user_errors
 from mtp.rows import read_rows
 from mtp.sampling import Sampling, add_sampling_arguments, sampling_from
 from mtp.tree import NAMED_TREES
@@ -61,6 +62,7 @@ def markdown(summary: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+@user_errors
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", required=True)
@@ -88,14 +90,15 @@ def main() -> None:
         for question in questions:
             by_category[question.get("category", "all")].append(question)
         questions = [q for group in zip(*by_category.values(), strict=False) for q in group][: args.limit]
+    chats = [[{"role": "user", "content": q["turns"][0] if "turns" in q else q["prompt"]}] for q in questions]
+    for messages in chats:  # every question fits the context, before any runs
+        decoder.check_length(decoder.encode(messages).shape[1], args.max_new_tokens)
     warm_up = [{"role": "user", "content": "Hello"}]
     decoder.generate(warm_up, max_new_tokens=8, sampling=sampling)
     timed_generate(model, decoder.encode(warm_up).to(args.device), 8, sampling, prompt_lookup_num_tokens=10)
     timed_generate(model, decoder.encode(warm_up).to(args.device), 8, sampling)
     rows = []
-    for question in tqdm(questions, desc="benchmark", unit="question"):
-        prompt = question["turns"][0] if "turns" in question else question["prompt"]
-        messages = [{"role": "user", "content": prompt}]
+    for question, messages in zip(tqdm(questions, desc="benchmark", unit="question"), chats, strict=True):
         input_ids = decoder.encode(messages).to(args.device)
         plain, plain_seconds = timed_generate(model, input_ids, args.max_new_tokens, sampling)
         lookup, lookup_seconds = timed_generate(model, input_ids, args.max_new_tokens, sampling,

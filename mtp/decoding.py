@@ -9,7 +9,7 @@ import torch
 from torch.profiler import record_function
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from mtp.cache import keep_accepted
+from mtp.cache import attention_windows, keep_accepted, tree_attention_mask
 from mtp.heads import MedusaHeads
 from mtp.sampling import GREEDY, Sampling, accept_exact, accept_typical, draw
 from mtp.tree import Tree
@@ -70,9 +70,10 @@ class Decoder:
         eos = base_model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.top_k = int(self.tree.ranks.max()) + 1 if self.tree.size > 1 else 1
-        self.children = [[] for _ in range(self.tree.size)]  # in rank order: nodes are breadth-first by ranks
-        for node, parent in enumerate(self.tree.parents.tolist()[1:], 1):
-            self.children[parent].append(node)
+        self.windows = attention_windows(base_model.config)
+        self.context = getattr(base_model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+        self.softcap = getattr(base_model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
+        self._trees: dict[int, Tree] = {}  # the tree cut at each depth, on the model's device
 
     def encode(self, prompt: str | list[dict]) -> torch.Tensor:
         """Prompt ids (1, T): chat messages go through the chat template, a string is taken as it is."""
@@ -81,56 +82,92 @@ class Decoder:
         else:
             ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_tensors="pt",
                                                      return_dict=True)["input_ids"]  # fmt: skip
-        if ids.shape[1] == 0 or (isinstance(prompt, str) and not prompt.strip()):
-            raise ValueError("The prompt is empty: give some text or at least one message.")
-        limit = getattr(self.base_model.config, "max_position_embeddings", None)
-        if limit is not None and ids.shape[1] >= limit:
-            raise ValueError(f"The prompt has {ids.shape[1]} tokens, but the model's context window is {limit}.")
+        text = prompt if isinstance(prompt, str) else prompt[-1].get("content", "") if prompt else ""
+        if ids.shape[1] == 0 or not isinstance(text, str) or not text.strip():
+            raise ValueError("The prompt is empty: give some text, or end the messages with a non-empty one.")
+        if self.context is not None and ids.shape[1] >= self.context:
+            raise ValueError(
+                f"The prompt has {ids.shape[1]} tokens, but the model's context window is {self.context}: shorten it."
+            )
         return ids
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The base model's next-token logits (..., V) from its last hidden states (..., H)."""
+        logits = self.base_model.get_output_embeddings()(hidden)
+        if self.softcap:  # Gemma-2's final soft cap, as the model's own forward applies it
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def _tree_within(self, depth: int) -> Tree:
+        """The tree without nodes deeper than `depth`, on the model's device (built once per depth)."""
+        depth = min(depth, int(self.tree.depths.max()))
+        if depth not in self._trees:
+            self._trees[depth] = self.tree.within(depth).to(self.base_model.device)
+        return self._trees[depth]
+
+    def check_length(self, prompt_len: int, max_new_tokens: int) -> int:
+        """prompt_len + max_new_tokens, once checked: max_new_tokens >= 0, and the sum within the context window."""
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens}: use 0 or a positive number of tokens.")
+        max_length = prompt_len + max_new_tokens
+        if self.context is not None and max_length > self.context:
+            raise ValueError(
+                f"The prompt has {prompt_len} tokens and max_new_tokens is {max_new_tokens}: {max_length} in all, "
+                f"past the model's context window of {self.context} tokens: lower max_new_tokens to at most "
+                f"{self.context - prompt_len} or shorten the prompt."
+            )
+        return max_length
+
     @torch.no_grad()
-    def steps(self, input_ids: torch.Tensor, sampling: Sampling = GREEDY) -> Iterator[list[int]]:
+    def steps(
+        self, input_ids: torch.Tensor, sampling: Sampling = GREEDY, max_length: int | None = None
+    ) -> Iterator[list[int]]:
         """Yield the tokens each pass settles: the prefill's first token, then per step the accepted candidates
-        and the bonus token. Runs until the caller stops iterating."""
+        and the bonus token. Runs until the caller stops iterating.
+
+        Args:
+            input_ids: (1, T) the prompt.
+            sampling: greedy, or how to sample.
+            max_length: the sequence ends at this length (prompt and new tokens; default: the model's context
+                window), so no tree node is placed at position max_length - 1 or later: a token there would be
+                past the end, and the last token's own guess would only repeat the bonus token of its parent.
+        """
         generator = sampling.generator()
         device = self.base_model.device
-        backbone, lm_head = self.base_model.get_decoder(), self.base_model.get_output_embeddings()
-        tree = self.tree
-        depths, ranks, paths = tree.depths.to(device), tree.ranks.to(device), tree.retrieve.to(device)
-        tree_mask = torch.zeros(tree.size, tree.size, device=device)  # additive: 0 attends, min blocks
-        tree_mask.masked_fill_(~tree.mask.to(device), torch.finfo(self.base_model.dtype).min)
-        cache = DynamicCache(config=self.base_model.config)
+        max_length = max_length or self.context or float("inf")
+        backbone = self.base_model.get_decoder()
+        cache = DynamicCache()  # every position on every layer: see mtp.cache
         hidden = backbone(input_ids=input_ids.to(device), cache=cache, use_cache=True).last_hidden_state
         prefix_len = input_ids.shape[1]
-        logits = lm_head(hidden[0, -1])  # (V,)
+        logits = self.logits(hidden[0, -1])  # (V,)
         root = int(logits.argmax()) if sampling.greedy else draw(sampling.probabilities(logits).cpu(), generator)
         last_hidden = hidden[0, -1]  # (H,) the last accepted position's hidden state
         yield [root]
         while True:
             with record_function("mtp.candidates"):  # the heads' guesses laid out on the tree
+                tree = self._tree_within(max_length - 2 - prefix_len)  # the root sits at prefix_len
                 tokens = torch.tensor([root], device=device)  # (1,) root only
                 if tree.size > 1:
-                    guesses = self.heads(last_hidden, lm_head).topk(self.top_k, dim=-1).indices  # (K, top_k)
-                    tokens = torch.cat([tokens, guesses[depths[1:] - 1, ranks[1:]]])  # (N+1,)
-                positions = prefix_len + depths  # (N+1,) a node sits at its depth past the root
-                mask = torch.cat([torch.zeros(tree.size, prefix_len, device=device), tree_mask], 1)  # (N+1, P+N+1)
+                    guesses = self.heads(last_hidden, self.base_model.get_output_embeddings())  # (K, V)
+                    guesses = guesses.topk(self.top_k, dim=-1).indices  # (K, top_k)
+                    tokens = torch.cat([tokens, guesses[tree.depths[1:] - 1, tree.ranks[1:]]])  # (N+1,)
+                mask = tree_attention_mask(tree.mask, tree.depths, prefix_len, self.windows, hidden.dtype)
             with record_function("mtp.verify"):  # one forward pass of the base model over the whole tree
                 hidden = backbone(
                     input_ids=tokens[None],
-                    position_ids=positions[None],
-                    attention_mask=mask[None, None].to(hidden.dtype),
+                    position_ids=(prefix_len + tree.depths)[None],  # a node sits at its depth past the root
+                    attention_mask=mask,
                     cache=cache,
                     use_cache=True,
                 ).last_hidden_state[0]  # (N+1, H)
             with record_function("mtp.accept"):
-                logits = lm_head(hidden)  # (N+1, V) the base model's next-token logits after each node
+                logits = self.logits(hidden)  # (N+1, V) the base model's next-token logits after each node
                 if sampling.greedy:
-                    nodes, root = self._accept_greedy(tokens, logits.argmax(-1), paths)
+                    nodes, root = self._accept_greedy(tokens, logits.argmax(-1), tree.retrieve)
                 elif sampling.acceptance == "exact":
-                    nodes, root = accept_exact(tokens.cpu(), self.children, logits, sampling, generator)
+                    nodes, root = accept_exact(tokens.cpu(), tree.children, logits, sampling, generator)
                 else:
-                    probs = sampling.probabilities(logits).cpu()
-                    nodes, root = accept_typical(tokens.cpu(), tree.retrieve, probs, sampling, generator)
+                    nodes, root = accept_typical(tokens, tree.retrieve, logits, sampling, generator)
                 nodes = torch.as_tensor(nodes, device=device)  # (A+1,) root and accepted candidates
             with record_function("mtp.cache"):
                 keep_accepted(cache, prefix_len, nodes)
@@ -158,7 +195,9 @@ class Decoder:
 
         Args:
             prompt: chat messages (put through the chat template) or text (tokenized as it is).
-            max_new_tokens: at most this many new tokens, exactly this many unless generation stops first.
+            max_new_tokens: at most this many new tokens, exactly this many unless generation stops first; the
+                prompt and max_new_tokens together must fit the model's context window (else a ValueError says
+                by how much), as a server refuses a request that cannot fit.
             stop: stop sequences, matched on the decoded text; the result ends before the first one found.
             sampling: temperature, top-k, top-p, seed and acceptance rule; default greedy.
         """
@@ -181,10 +220,11 @@ class Decoder:
         start = time.perf_counter()
         stop = [s for s in stop if s]
         input_ids = self.encode(prompt)
+        max_length = self.check_length(input_ids.shape[1], max_new_tokens)
         shown = 0  # characters of text already yielded
-        if max_new_tokens <= 0:
+        if max_new_tokens == 0:
             return
-        for passes, settled in enumerate(self.steps(input_ids, sampling)):
+        for passes, settled in enumerate(self.steps(input_ids, sampling, max_length)):
             if passes:  # the prefill is not a verification pass
                 result.forward_passes += 1
                 result.accept_lengths.append(len(settled))

@@ -11,9 +11,11 @@ p) = p(y). So every emitted token has exactly p's distribution, whatever the hea
 is then a node whose own p the same verification pass computed (with the child in its context), and the walk
 goes on from there; at a leaf, the bonus token is drawn from the leaf's p.
 
-Typical acceptance (Medusa's rule, opt-in) accepts a candidate x if p(x) > min(epsilon, delta * exp(-H(p)))
-along the longest such path and draws the next token from p. It is faster on flat distributions, but it does
-NOT keep the base model's distribution: the output is a different, if plausible, sample.
+Typical acceptance (Medusa's rule, opt-in) accepts a candidate x if q(x) > min(epsilon, delta * exp(-H(q)))
+at its parent, with q = softmax(logits / T) (top-k and top-p play no part in it) and H(q) its entropy; of the
+longest such paths it keeps the one with the highest summed log q of its candidates, and draws the next token
+from the processed p at the path's last node. It is faster on flat distributions, but it does NOT keep the base
+model's distribution: the output is a different, if plausible, sample.
 """
 
 import argparse
@@ -81,7 +83,13 @@ class Sampling:
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """A token drawn from `probs` (V,)."""
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def coin(probability: float, generator: torch.Generator) -> bool:
+    """True with `probability`."""
+    return float(torch.rand((), generator=generator)) < probability
 
 
 def accept_exact(tokens: torch.Tensor, children: list[list[int]], logits, sampling: Sampling, generator):
@@ -98,7 +106,7 @@ def accept_exact(tokens: torch.Tensor, children: list[list[int]], logits, sampli
     while True:
         for child in children[nodes[-1]]:
             x = int(tokens[child])
-            if float(torch.rand((), generator=generator)) < float(p[x]):
+            if coin(float(p[x]), generator):
                 nodes.append(child)
                 p = sampling.probabilities(logits[child]).cpu()
                 break
@@ -108,22 +116,24 @@ def accept_exact(tokens: torch.Tensor, children: list[list[int]], logits, sampli
             return nodes, draw(p, generator)
 
 
-def accept_typical(tokens, paths, probs_all, sampling: Sampling, generator):
-    """Medusa's typical acceptance: the longest path whose every candidate x has p(x) above the threshold at
-    its parent; returns (accepted nodes from the root, next token drawn from p at the last one).
+def accept_typical(tokens, paths, logits, sampling: Sampling, generator):
+    """Medusa's typical acceptance (module docstring): returns (accepted nodes from the root, next token).
 
     Args:
-        tokens: (N+1,) the tree's tokens; paths: (L, D+1) retrieve indices (-1 padded);
-        probs_all: (N+1, V) processed distributions after every node.
+        tokens: (N+1,) the tree's tokens; paths: (L, D+1) retrieve indices (-1 padded), on the logits' device.
+        logits: (N+1, V) the base model's next-token logits after each node.
     """
-    entropy = -(probs_all * probs_all.clamp(min=1e-30).log()).sum(-1)  # (N+1,)
+    q = (logits.float() / sampling.temperature).softmax(-1)  # (N+1, V)
+    entropy = -(q * q.clamp(min=1e-30).log()).sum(-1)  # (N+1,)
     threshold = torch.clamp(sampling.delta * torch.exp(-entropy), max=sampling.epsilon)  # (N+1,)
     parents, children = paths[:, :-1].clamp(min=0), paths[:, 1:]  # (L, D)
-    likely = probs_all[parents, tokens[children.clamp(min=0)]] > threshold[parents]  # (L, D)
-    accepted = ((children >= 0) & likely).int().cumprod(1).sum(1)  # (L,)
-    best = int(accepted.argmax())
-    nodes = paths[best, : int(accepted[best]) + 1].tolist()
-    return nodes, draw(probs_all[nodes[-1]], generator)
+    likelihood = q[parents, tokens[children.clamp(min=0)]]  # (L, D) each candidate's q at its parent
+    accepted = ((children >= 0) & (likelihood > threshold[parents])).int().cumprod(1)  # (L, D) leading accepted
+    lengths = accepted.sum(1)  # (L,)
+    score = (accepted * likelihood.clamp(min=1e-30).log()).sum(1)  # (L,) summed log q of the accepted candidates
+    best = int(score.masked_fill(lengths < lengths.max(), float("-inf")).argmax())  # the likeliest longest path
+    nodes = paths[best, : int(lengths[best]) + 1].tolist()
+    return nodes, draw(sampling.probabilities(logits[nodes[-1]]).cpu(), generator)
 
 
 GREEDY = Sampling()
@@ -141,7 +151,4 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def sampling_from(args: argparse.Namespace) -> Sampling:
-    try:
-        return Sampling(args.temperature, args.top_k, args.top_p, args.seed, args.acceptance)
-    except ValueError as error:
-        raise SystemExit(f"error: {error}") from None
+    return Sampling(args.temperature, args.top_k, args.top_p, args.seed, args.acceptance)

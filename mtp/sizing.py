@@ -19,6 +19,7 @@ import time
 import torch
 
 from mtp.base import cache_dir, load_base
+from mtp.cli import user_errors
 from mtp.decoding import Decoder
 from mtp.heads import MedusaHeads
 from mtp.tree import Path, Tree, grow_tree
@@ -111,6 +112,7 @@ def size_tree(heads_path: str, **options) -> dict:
     return table
 
 
+@user_errors
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", required=True, help="heads folder; its config.json gets the chosen tree")

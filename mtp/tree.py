@@ -6,7 +6,8 @@ itself chose last. A node at depth d holds a guess for the token d positions aft
 """
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cached_property
 
 import torch
 
@@ -67,6 +68,22 @@ class Tree:
     def size(self) -> int:
         """Number of nodes, root included: the tokens one verification pass feeds the base model."""
         return len(self.paths) + 1
+
+    @cached_property
+    def children(self) -> list[list[int]]:
+        """children[i]: node i's children, in rank order (nodes are breadth-first by ranks)."""
+        children = [[] for _ in range(self.size)]
+        for node, parent in enumerate(self.parents.tolist()[1:], 1):
+            children[parent].append(node)
+        return children
+
+    def within(self, depth: int) -> "Tree":
+        """The tree without the nodes deeper than `depth`; the nodes kept are the first ones, in the same order."""
+        return Tree.from_paths([path for path in self.paths if len(path) <= depth])
+
+    def to(self, device: torch.device | str) -> "Tree":
+        return replace(self, **{name: getattr(self, name).to(device) for name in ("parents", "depths", "ranks",
+                                                                                  "mask", "retrieve")})  # fmt: skip
 
 
 def grow_tree(calibration: list[list[float]], max_nodes: int) -> tuple[list[Path], list[float]]:

@@ -4,6 +4,7 @@ import sys
 
 import pytest
 
+from mtp.bench import markdown, summarise
 from tests.conftest import DATA, ROOT
 from tests.test_stopping import save_random_heads
 
@@ -21,9 +22,45 @@ def test_bench_writes_its_json_and_table_and_finds_no_mismatch(tmp_path, samplin
     assert set(report) == {"settings", "summary", "questions"} and len(report["questions"]) == 3
     assert list(report["summary"]) == ["writing", "roleplay", "reasoning", "overall"]  # one per category first
     overall = report["summary"]["overall"]
-    assert overall["mismatches"] == (None if sampling else 0) and overall["questions"] == 3 and overall["tau"] >= 1
+    assert overall["mismatches"] == (None if sampling else 0) and overall["questions"] == 3
+    questions = report["questions"]
+    assert overall["tokens"] == sum(q["mtp_tokens"] for q in questions) > 0
+    assert overall["tau"] == pytest.approx(overall["tokens"] / sum(q["forward_passes"] for q in questions))
+    for q in questions:  # an accept length per verification pass; they settle every token but the prefill's one
+        assert q["forward_passes"] == len(q["accept_lengths"]) and 1 + sum(q["accept_lengths"]) >= q["mtp_tokens"]
     assert {"speedup_vs_plain", "speedup_vs_lookup", "mtp_tokens_per_second"} <= set(overall)
     # greedy: every output equals plain generate's; sampling: outputs differ by chance, nothing is compared
     assert all(row["matches_plain"] is (True if not sampling else None) for row in report["questions"])
     assert report["settings"]["temperature"] == (0.7 if sampling else 0.0)
     assert out.with_suffix(".md").read_text().startswith("| category |") and "| overall | 3 |" in done.stdout
+
+
+def row(passes, tokens, plain, lookup, seconds, matches=True):
+    """A benchmark row: mtp's forward passes, tokens of mtp, plain and lookup, seconds of mtp, plain and lookup."""
+    return {"forward_passes": passes, "mtp_tokens": tokens, "plain_tokens": plain, "lookup_tokens": lookup,
+            "mtp_seconds": seconds[0], "plain_seconds": seconds[1], "lookup_seconds": seconds[2],
+            "matches_plain": matches}  # fmt: skip
+
+
+ROWS = [row(4, 10, 10, 10, (0.5, 1.0, 0.5)), row(6, 20, 14, 20, (1.0, 1.0, 2.5), False),
+        row(5, 5, 6, 5, (0.25, 0.5, 0.5))]  # fmt: skip
+
+
+def test_summarise_counts_each_methods_own_tokens_and_only_real_mismatches():
+    summary = summarise(ROWS)
+    # mtp: 35 tokens in 1.75 s over 15 passes; plain: 30 tokens in 2.5 s; lookup: 35 tokens in 3.5 s
+    assert summary == pytest.approx({
+        "questions": 3, "tokens": 35, "tau": 35 / 15, "mtp_tokens_per_second": 20.0,
+        "plain_tokens_per_second": 12.0, "lookup_tokens_per_second": 10.0, "speedup_vs_plain": 20 / 12,
+        "speedup_vs_lookup": 2.0, "mismatches": 1,
+    })  # fmt: skip
+    assert summarise([{**r, "matches_plain": None} for r in ROWS])["mismatches"] is None  # sampling: not compared
+
+
+def test_markdown_prints_one_row_per_category_with_the_summary_figures():
+    table = markdown({"a": summarise(ROWS[:1]), "overall": summarise(ROWS)}).splitlines()
+    assert table[0].startswith("| category | questions | tau | mtp tok/s | plain tok/s | lookup tok/s | vs plain |")
+    assert table[2] == "| a | 1 | 2.50 | 20.0 | 10.0 | 20.0 | 2.00x | 1.00x | 0 |"
+    assert table[3] == "| overall | 3 | 2.33 | 20.0 | 12.0 | 10.0 | 1.67x | 2.00x | 1 |"
+    sampled = markdown({"overall": summarise([{**r, "matches_plain": None} for r in ROWS])})
+    assert sampled.splitlines()[-1].endswith("| 2.00x | n/a (sampling) |")

@@ -79,8 +79,9 @@ def test_datamodule_skips_and_counts_rows_without_an_answer(tmp_path):
     with pytest.warns(UserWarning, match=r"Skipped 2 of 8 rows.*'no assistant turn': 1.*not ShareGPT.*: 1"):
         data.setup("fit")
     assert len(data.train_examples) + len(data.val_examples) == 6 and len(data.val_examples) == 1
-    batch = next(iter(data.train_dataloader()))
-    assert batch["input_ids"].shape[0] == 2 and batch["loss_mask"].any()
+    batches = list(data.train_dataloader())  # 5 examples in batches of 2, 2 and 1, in a random order
+    assert sorted(len(batch["input_ids"]) for batch in batches) == [1, 2, 2]
+    assert all(batch["loss_mask"].any() for batch in batches)
 
 
 def test_all_rows_bad_is_an_error(tmp_path):
@@ -111,3 +112,27 @@ def test_sharegpt_json_alpaca_json_and_a_dataset_folder_load(tmp_path, tokenizer
     assert to_example(read_rows(str(sharegpt))[0]) == to_example(read_rows(str(alpaca))[0])
     assert to_example(read_rows(str(tmp_path / "saved"))[0]) == CHAT
     assert read_rows(TINY_CHAT) and all(to_example(row) for row in read_rows(TINY_CHAT))
+
+
+def test_validation_batches_are_the_held_out_examples_and_no_index_is_shared(tmp_path, tokenizer):
+    """The validation loader yields the held-out examples, not training ones, and every example keeps one index
+    of its own across both splits: the module caches hidden states by index (cache_hidden), so an index shared by
+    two examples would mix their states."""
+    rows = [{"text": f"row {i} " + "word " * (i % 7)} for i in range(20)]  # 20 different texts
+    data = HeadsDataModule(write_jsonl(tmp_path / "text.jsonl", rows), TINY_BASE, batch_size=3, val_fraction=0.25)
+    data.setup("fit")
+
+    def seen(loader) -> dict[int, tuple[int, ...]]:  # example index -> its token ids, over one pass of a loader
+        found = {}
+        for batch in loader:
+            for index, ids, attended in zip(batch["index"], batch["input_ids"], batch["attention_mask"], strict=True):
+                assert int(index) not in found  # once per pass
+                found[int(index)] = tuple(ids[attended.bool()].tolist())
+        return found
+
+    train, val = seen(data.train_dataloader()), seen(data.val_dataloader())
+    assert len(train) == 15 and len(val) == 5 and not train.keys() & val.keys()
+    assert sorted(train | val) == list(range(20))
+    assert sorted((train | val).values()) == sorted(tuple(tokenizer(row["text"]).input_ids) for row in rows)
+    assert val == {index: tuple(ids.tolist()) for ids, _, index in data.val_examples}
+    assert seen(data.train_dataloader()) == train  # reshuffled, but each index still names the same example

@@ -18,12 +18,13 @@ PROMPT = "Count from 3 to 40: 3, 4, 5, 6,"
 TREE = Tree.from_paths([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)])
 
 
-def tiny_model(model_type="llama", eos=None, seed=0):
+def tiny_model(model_type="llama", eos=None, seed=0, **overrides):
     """A random 2-layer model of `model_type` over the tiny tokenizer; eos=None so runs cannot stop early."""
-    config = AutoConfig.for_model(
-        model_type, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, eos_token_id=eos, bos_token_id=None, pad_token_id=0,
-    )  # fmt: skip
+    config = AutoConfig.for_model(model_type, **{
+        "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512, "eos_token_id": eos,
+        "bos_token_id": None, "pad_token_id": 0, **overrides,
+    })  # fmt: skip
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
     model.generation_config.eos_token_id = eos
@@ -164,7 +165,9 @@ def test_trained_heads_give_the_base_models_greedy_output(tokenizer, tmp_path):
     for question in ("Count from 3 to 20.", "List 9 days of the week starting with Monday."):
         messages = [{"role": "user", "content": question}]
         input_ids = decoder.encode(messages)
-        assert decoder.generate(messages, max_new_tokens=32).token_ids == reference(model, input_ids, 32)
+        result = decoder.generate(messages, max_new_tokens=32)
+        assert result.token_ids == reference(model, input_ids, 32)
+        assert result.tau > 1.5  # the trained heads are right often (random ones, as in the test above, near never)
 
 
 def test_the_packaged_smollm2_decodes_mt_bench_exactly_as_its_own_greedy_search():
@@ -197,7 +200,8 @@ def test_the_shipped_heads_decode_the_first_mt_bench_question_as_plain_greedy_do
     from tests.conftest import DATA, ROOT
 
     shipped = str(ROOT / "heads" / "smollm2-135m-instruct")
-    assert mtp.load(shipped).tree.size >= 1  # the tree mtp.sizing saved with them (on a CPU, maybe the root alone)
+    saved = json.loads((ROOT / "heads" / "smollm2-135m-instruct" / "config.json").read_text())["tree"]
+    assert set(mtp.load(shipped).tree.paths) == {tuple(path) for path in saved}  # the tree mtp.sizing saved
     decoder = mtp.load(shipped, tree="3")  # the root and head 0's two best guesses, grown from the calibration
     assert decoder.tree.size == 3 and decoder.heads.config.calibration is not None
     question = json.loads((DATA / "mt_bench.jsonl").read_text().splitlines()[0])["turns"][0]

@@ -1,7 +1,11 @@
 import json
+import shutil
+from pathlib import Path
 
 import pytest
+import torch
 
+from mtp.base import load_base
 from mtp.distill import Distill, read_done, run_distill
 from tests.conftest import TINY_BASE
 
@@ -46,6 +50,53 @@ def test_a_torn_last_line_is_cut_off_and_answered_again(prompts, tmp_path):
     assert read_done(out) == {json.loads(complete.splitlines()[0])["index"]}
     run_distill(Distill(**settings), TINY_BASE, out)
     assert sorted(row["index"] for row in lines(out)) == [0, 1]
+
+
+VICUNA = "{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}\n{% endfor %}"
+VICUNA += "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+
+
+def varied_tiny_base(folder) -> str:
+    """The tiny Llama with untied, larger random weights, so that its greedy answers vary from token to token
+    (the tied tiny model only repeats its last token, a newline: every answer would strip to ""), and a
+    Vicuna-style chat template, whose generation prompt ends in a visible token (ChatML's ends in a newline,
+    which an answer sliced one token early would hide behind `strip`)."""
+    folder.mkdir()
+    for file in Path(TINY_BASE).parent.iterdir():  # the tokenizer
+        shutil.copy(file, folder)
+    (folder / "chat_template.jinja").write_text(VICUNA)
+    config = json.loads(Path(TINY_BASE).read_text()) | {"tie_word_embeddings": False, "initializer_range": 0.2}
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder / "config.json")
+
+
+def test_answers_batched_with_left_padding_equal_plain_greedy_generate_of_each_prompt(tmp_path):
+    """Prompts of different lengths answered in one batch: each answer is that of a greedy `generate` of the
+    prompt alone (pins the padding side and the slicing off of the prompt)."""
+    base = varied_tiny_base(tmp_path / "model")
+    questions = ["Hi?", "Count from one to nine, please.", "Why is the sky blue on a clear day, and why not red?"]
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([{"conversations": [{"from": "human", "value": q}]} for q in questions]))
+    out = tmp_path / "answers.jsonl"
+    run_distill(Distill(prompts=str(prompts), max_new_tokens=10, batch_size=3), base, out)
+    answers = {row["index"]: row["messages"][1]["content"] for row in lines(out)}
+
+    model, tokenizer = load_base(base)
+    lengths = set()
+    for index, question in enumerate(questions):
+        inputs = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+        lengths.add(inputs["input_ids"].shape[1])
+        output = model.generate(
+            **inputs, max_new_tokens=10, do_sample=False, output_scores=True, return_dict_in_generate=True
+        )
+        top2 = torch.cat(output.scores).topk(2).values  # (new tokens, 2)
+        assert (top2[:, 0] - top2[:, 1]).min() > 1e-3  # no near tie that batched arithmetic could flip
+        new_tokens = output.sequences[0, inputs["input_ids"].shape[1] :]  # (new tokens,)
+        assert len(set(new_tokens.tolist())) > 3  # a varied answer, which a misplaced token would change
+        assert answers[index] == tokenizer.decode(new_tokens, skip_special_tokens=True).strip(), index
+    assert len(lengths) == len(questions)  # every prompt but the longest is padded in the batch
 
 
 @pytest.mark.parametrize(

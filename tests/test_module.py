@@ -1,3 +1,4 @@
+import copy
 import json
 import random
 
@@ -6,11 +7,13 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from safetensors.torch import load_file
+from torch.nn import functional as F
 
 from mtp.base import load_tokenizer
-from mtp.data import HeadsDataModule
+from mtp.data import HeadsDataModule, collate, encode
 from mtp.heads import MedusaHeads
 from mtp.module import HeadsModule
+from mtp.rows import read_rows, to_example
 from tests.conftest import TINY_BASE, TINY_CHAT
 
 
@@ -95,21 +98,44 @@ class FirstStep(Callback):
         self.first = trainer.global_step if self.first is None else self.first
 
 
-def test_a_run_stopped_midway_resumes_at_the_step_it_reached(tmp_path):
+class Restored(Callback):
+    """The heads' weights, optimizer state and schedule as training starts: after a checkpoint is restored."""
+
+    def on_train_start(self, trainer, module):
+        self.heads = {name: tensor.clone() for name, tensor in module.heads.state_dict().items()}
+        self.optimizer = copy.deepcopy(trainer.optimizers[0].state_dict())
+        self.schedule = trainer.lr_scheduler_configs[0].scheduler.state_dict()
+
+
+def test_a_run_stopped_midway_resumes_at_the_step_it_reached_with_its_heads_and_optimizer(tmp_path):
     data = HeadsDataModule(TINY_CHAT, TINY_BASE, batch_size=4)
     every_2 = dict(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_last=True)
     with pytest.raises(RuntimeError, match="simulated crash"):
         trainer(tmp_path, 8, [ModelCheckpoint(**every_2), Crash()], limit_val_batches=0).fit(
             HeadsModule(TINY_BASE), data
         )
-    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["state_dict"]
+    checkpoint = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
+    saved = checkpoint["state_dict"]
 
-    module, first = HeadsModule(TINY_BASE), FirstStep()
-    resumed = trainer(tmp_path, 8, [ModelCheckpoint(**every_2), first], limit_val_batches=0)
+    module, first, restored = HeadsModule(TINY_BASE), FirstStep(), Restored()
+    fresh = {name: tensor.clone() for name, tensor in module.heads.state_dict().items()}
+    resumed = trainer(tmp_path, 8, [ModelCheckpoint(**every_2), first, restored], limit_val_batches=0)
     resumed.fit(
         module, HeadsDataModule(TINY_CHAT, TINY_BASE, batch_size=4), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt")
     )
     assert first.first == 4 and resumed.global_step == 8
+    # Not only the step counter: the heads restart from the saved weights (strict_loading=False would hide a key
+    # mismatch), which are not the fresh ones, and AdamW from its saved moments, step count and learning rate.
+    heads = {key.removeprefix("heads."): value for key, value in saved.items() if key.startswith("heads.")}
+    assert heads.keys() == restored.heads.keys() == fresh.keys()
+    assert all(torch.equal(restored.heads[name], tensor) for name, tensor in heads.items())
+    assert not all(torch.equal(fresh[name], tensor) for name, tensor in heads.items())
+    optimizer = checkpoint["optimizer_states"][0]
+    assert optimizer["state"] and restored.optimizer["state"].keys() == optimizer["state"].keys()
+    for index, state in optimizer["state"].items():  # exp_avg, exp_avg_sq, step of each parameter
+        assert all(torch.equal(restored.optimizer["state"][index][key], value) for key, value in state.items())
+    assert restored.optimizer["param_groups"] == optimizer["param_groups"]
+    assert restored.schedule == checkpoint["lr_schedulers"][0] and restored.schedule["last_epoch"] == 4
     assert not all(torch.equal(module.state_dict()[key], value) for key, value in saved.items())  # it trained on
 
 
@@ -132,3 +158,55 @@ def test_cached_hidden_states_train_the_same_heads_without_running_the_base_agai
     assert plain_calls == 3 * batches and cached_calls == batches  # the base runs in the first epoch only
     for name, tensor in plain.items():
         torch.testing.assert_close(cached[name], tensor, rtol=1e-5, atol=1e-6)
+
+
+def hand_loss(module: HeadsModule, examples, weights: list[float]) -> torch.Tensor:
+    """The module's loss computed by hand, one unpadded example at a time: head k at position t against token
+    t+k+2, wherever that token is in the example's loss mask; per head the mean over the batch, then weighted."""
+    sums, counts = [0.0] * len(weights), [0] * len(weights)
+    for ids, mask, _ in examples:
+        hidden = module.base_model.get_decoder()(input_ids=ids[None]).last_hidden_state[0]  # (T, H)
+        logits = module.heads(hidden, module.base_model.get_output_embeddings())  # (K, T, V)
+        for k in range(len(weights)):
+            for t in range(len(ids) - k - 2):
+                if mask[t + k + 2]:
+                    sums[k] += F.cross_entropy(logits[k, t], ids[t + k + 2])
+                    counts[k] += 1
+    return sum(weight * total / count for weight, total, count in zip(weights, sums, counts, strict=True))
+
+
+@torch.no_grad()
+def test_the_training_loss_is_the_hand_computed_one_on_assistant_tokens_at_t_plus_k_plus_2():
+    """The module's real training step on chat rows pins: only loss-mask (assistant) tokens are targets, not
+    every attended token; head k at position t is scored against token t+k+2; explicit loss_weights weight each
+    head's loss as given."""
+    weights = [1.0, 0.5, 2.0]  # neither the default decay nor decreasing
+    module = HeadsModule(TINY_BASE, num_heads=3, lm_head="own", loss_weights=weights)
+    torch.manual_seed(0)
+    for parameter in module.heads.parameters():  # heads that differ from each other and from the base lm_head
+        torch.nn.init.normal_(parameter, std=0.3)
+    tokenizer = load_tokenizer(TINY_BASE)
+    examples = [(*encode(tokenizer, to_example(row), 512), i) for i, row in enumerate(read_rows(TINY_CHAT)[:3])]
+    assert not any(mask.all() for _, mask, _ in examples)  # user tokens: attended, never targets
+    torch.testing.assert_close(module.training_step(collate(examples), 0), hand_loss(module, examples, weights))
+
+
+class LearningRates(Callback):
+    """The learning rate of each optimizer step."""
+
+    def __init__(self):
+        self.rates = []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.rates.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+def test_the_learning_rate_warms_up_linearly_then_decays_along_a_cosine(tmp_path):
+    rates = LearningRates()
+    module = HeadsModule(TINY_BASE, num_heads=1, lr=1e-2, warmup_steps=3)
+    data = HeadsDataModule(TINY_CHAT, TINY_BASE, batch_size=8)
+    trainer(tmp_path, 10, [rates], limit_val_batches=0).fit(module, data)
+    # steps 0-2: (step + 1) / 4 of the peak; steps 3-9: (1 + cos(pi * (step - 3) / 7)) / 2, cos(pi/7) = 0.90097,
+    # cos(2 pi/7) = 0.62349, cos(3 pi/7) = 0.22252 (and cos(pi - x) = -cos(x))
+    expected = [0.25, 0.5, 0.75, 1.0, 0.950484, 0.811745, 0.611260, 0.388740, 0.188255, 0.049516]
+    assert rates.rates == pytest.approx([1e-2 * scale for scale in expected], abs=1e-8)

@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import mtp.decoding
@@ -20,14 +20,17 @@ PROMPT = torch.tensor([[3, 7, 1]])
 TREE = Tree.from_paths([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
 
 
-def small_vocab_decoder(seed=0) -> Decoder:
-    """A 1-layer Llama over 8 tokens, peaked enough that a few continuations dominate, and random heads."""
+def small_vocab_decoder(seed=0, sliding_window=None) -> Decoder:
+    """A 1-layer Llama (a Mistral if `sliding_window`) over 8 tokens, peaked enough that a few continuations
+    dominate, and random heads."""
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                         eos_token_id=None, bos_token_id=None, pad_token_id=None)  # fmt: skip
+    window = {"sliding_window": sliding_window} if sliding_window else {}
+    config = AutoConfig.for_model("mistral" if sliding_window else "llama", vocab_size=VOCAB, hidden_size=16,
+                                  intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                  num_key_value_heads=1, max_position_embeddings=64, eos_token_id=None,
+                                  bos_token_id=None, pad_token_id=None, **window)  # fmt: skip
     config._attn_implementation = "eager"
-    model = LlamaForCausalLM(config).eval()
+    model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(60)  # sharper next-token distributions than a fresh init's near-uniform ones
     heads = MedusaHeads(HeadsConfig(num_heads=3, lm_head="own", hidden_size=16, vocab_size=VOCAB))
@@ -79,9 +82,13 @@ def chi_square_z(found: Counter, joint: dict[tuple, float]) -> float:
 SETTINGS = [Sampling(temperature=1.0, seed=0), Sampling(temperature=0.7, top_k=6, top_p=0.9, seed=10**6)]
 
 
-@pytest.mark.parametrize("sampling", SETTINGS, ids=["t1", "t0.7-k6-p0.9"])
-def test_exact_acceptance_samples_the_base_models_joint_distribution(sampling):
-    decoder = small_vocab_decoder()
+@pytest.mark.parametrize(
+    "sampling, sliding_window",
+    [(SETTINGS[0], None), (SETTINGS[1], None), (Sampling(temperature=1.0, seed=2 * 10**6), 2)],
+    ids=["t1", "t0.7-k6-p0.9", "t1-window2"],  # window 2: the last 3 tokens each see only their last 2
+)
+def test_exact_acceptance_samples_the_base_models_joint_distribution(sampling, sliding_window):
+    decoder = small_vocab_decoder(sliding_window=sliding_window)
     joint = exact_joint(decoder.base_model, sampling)
     found, settled = sample(decoder, sampling, 20_000)
     assert settled[1] > 1000 and sum(v for k, v in settled.items() if k > 1) > 1000  # rejections and acceptances

@@ -3,6 +3,7 @@ import json
 import pytest
 
 import mtp
+import mtp.sizing
 from mtp.heads import MedusaHeads
 from mtp.sizing import SIZES, size_tree, step_costs
 from mtp.tree import grow_tree, named_tree
@@ -53,3 +54,20 @@ def test_sizing_times_the_device_and_saves_the_best_tree_which_load_then_uses(tm
     assert decoder.tree.paths == tuple(sorted(grow_tree(heads.config.calibration, best)[0], key=lambda p: (len(p), p)))
     size_tree(path, max_nodes=8, context=32)  # the second time, the cached timings: nothing new is measured
     assert json.loads((tmp_path / "cache" / "step_seconds.json").read_text()) == cached
+
+
+def test_the_expected_speedup_is_tau_times_the_plain_step_over_the_tree_step(tmp_path, monkeypatch):
+    """Fixed step timings instead of measured ones, and figures computed by hand from them."""
+    monkeypatch.setenv("MTP_CACHE", str(tmp_path / "cache"))
+    measured = [0.04, 0.05, 0.06, 0.08, 0.10]  # seconds per step of sizes 1, 2, 3, 4, 6
+    monkeypatch.setattr(mtp.sizing, "measure_steps", lambda *args, **kwargs: measured)
+    path, _, _ = save_random_heads(tmp_path)
+    heads = MedusaHeads.from_pretrained(path)
+    heads.config.calibration = CALIBRATION + [[0.0, 0.0, 0.0]]  # the third head never right: no node below it
+    heads.save_config(path)
+    table = size_tree(path, max_nodes=7)
+    assert table["expected_tau"] == pytest.approx([1, 1.6, 1.9, 2.1, 2.28, 2.38, 2.48])  # as in the test above
+    assert table["step_seconds"] == pytest.approx([0.04, 0.05, 0.06, 0.08, 0.09, 0.10, 0.10])  # size 5: halfway
+    # tau(N) * 0.04 / step(N): 1, 1.6 * 0.8, 1.9 * 2/3, 2.1 / 2, 2.28 * 4/9, 2.38 * 0.4, 2.48 * 0.4
+    assert table["expected_speedup"] == pytest.approx([1, 1.28, 1.266667, 1.05, 1.013333, 0.952, 0.992], abs=1e-6)
+    assert table["chosen"] == 2 and MedusaHeads.from_pretrained(path).config.tree == [[0]]

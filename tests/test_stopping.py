@@ -49,7 +49,8 @@ def test_max_new_tokens_is_exact_in_the_middle_of_a_block(setup, tokenizer):
     for limit in (1, 2, 7, 13):
         result = Decoder(model, tokenizer, oracle, TREE).generate(PROMPT, max_new_tokens=limit)
         assert result.token_ids == expected[:limit] and result.finish_reason == "length"
-    assert sum(result.accept_lengths) + 1 > 13  # the last pass settled more than was kept
+    # the last pass verified only the depths still wanted (1 + 5 + 5 + 2 tokens), not the whole tree
+    assert 1 + sum(result.accept_lengths) == 13 and result.accept_lengths[-1] < result.accept_lengths[0]
 
 
 def test_max_new_tokens_zero_is_an_empty_result(setup, tokenizer):
@@ -88,6 +89,30 @@ def test_bad_prompts_are_clear_errors(setup, tokenizer):
         decoder.generate("", max_new_tokens=5)
     with pytest.raises(ValueError, match="context window is 512"):
         decoder.generate("word " * 600, max_new_tokens=5)
+
+
+def test_generation_fills_the_context_window_exactly_and_no_further(tokenizer):
+    """prompt + max_new_tokens may reach the context window, not pass it; near the end, the tree loses the nodes
+    that would sit past the window (a model with learned positions would fail on them)."""
+    model = tiny_model(max_position_embeddings=41)  # 14 prompt tokens, 27 new: 1 + 5 x 5 from full trees, then 1
+    input_ids = tokenizer(PROMPT, return_tensors="pt").input_ids  # (1, P)
+    room = 41 - input_ids.shape[1]
+    expected = reference(model, input_ids, room)
+    oracle = OracleHeads(model, torch.cat([input_ids[0], torch.tensor(expected)]), num_heads=4)
+    decoder = Decoder(model, tokenizer, oracle, TREE)
+    positions = []
+    hook = model.get_decoder().register_forward_pre_hook(
+        lambda module, args, kwargs: positions.append(int(kwargs["position_ids"].max())) if "position_ids" in kwargs
+        and kwargs["position_ids"] is not None else None, with_kwargs=True)  # fmt: skip
+    try:
+        result = decoder.generate(PROMPT, max_new_tokens=room)
+    finally:
+        hook.remove()
+    assert result.token_ids == expected and result.finish_reason == "length"
+    assert max(positions) == 39 and result.accept_lengths[-1] == 1  # the last pass: the root alone, at 39
+    with pytest.raises(ValueError, match=f"{41 + 1} in all, past the model's context window of 41 tokens: lower "
+                                         f"max_new_tokens to at most {room}"):  # fmt: skip
+        decoder.generate(PROMPT, max_new_tokens=room + 1)
 
 
 def save_random_heads(tmp_path, lm_head="shared"):
@@ -134,7 +159,10 @@ def test_decode_py_answers_prompts_as_json_lines(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     answers = [json.loads(line) for line in done.stdout.splitlines()]
     assert [a["prompt"] for a in answers] == ["Count to 5.", "And to 6?"]
-    assert all(a["finish_reason"] in ("stop", "length") and a["forward_passes"] >= 0 for a in answers)
+    for answer in answers:
+        assert answer["tokens"] <= 12 and (answer["finish_reason"] == "stop") == (answer["tokens"] < 12)
+        assert answer["forward_passes"] == 0 if answer["tokens"] <= 1 else answer["forward_passes"] >= 1
+        assert answer["tau"] == round(answer["tokens"] / max(answer["forward_passes"], 1), 3)
     assert "tau" in done.stderr and "tokens/s" in done.stderr
 
 
