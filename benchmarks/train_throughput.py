@@ -2,7 +2,7 @@
 of the base model over the same batches, measured in one run; and a second epoch over the same batches
 with the base model's hidden states cached (`--model.cache_hidden true`), against the first.
 
-    python benchmarks/train_throughput.py --data runs/distill/smollm2-sharegpt-1000.jsonl
+    python benchmarks/train_throughput.py --data data/distilled/sharegpt-greedy-256
 """
 
 import argparse

@@ -1,12 +1,18 @@
 """Self-distillation: the base model answers prompts; its answers become the heads' training data."""
 
+import gzip
+import itertools
 import json
 import os
+import shutil
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from transformers import DynamicCache
 
 from mtp.base import load_base, load_tokenizer
 from mtp.rows import read_rows, to_example
@@ -25,37 +31,66 @@ class Distill:
     """Prompts longer than this (after the chat template) are skipped."""
     batch_size: int = 16
     temperature: float = 0.0
-    """0 for greedy answers; above 0 samples (seeded by `seed`)."""
+    """0 for greedy answers; above 0 samples (each prompt seeded by `seed` + its index)."""
     seed: int = 0
+    part_size: int = 1000
+    """Answers per part: a full part is gzip-compressed (`part-00000.jsonl.gz`, ...), small enough to commit."""
 
     def __post_init__(self):
-        if self.max_new_tokens < 1 or self.batch_size < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens}, batch_size={self.batch_size}: both must be >= 1.")
+        if min(self.max_new_tokens, self.batch_size, self.part_size) < 1:
+            raise ValueError(
+                f"max_new_tokens={self.max_new_tokens}, batch_size={self.batch_size}, part_size={self.part_size}: "
+                f"each must be >= 1."
+            )
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature}: must be >= 0 (0 is greedy).")
 
 
-def read_done(out: Path) -> set[int]:
-    """Indices of prompts already answered in `out`; a torn last line (from a crash) is cut off."""
-    done, good_bytes = set(), 0
-    if out.is_file():
-        with out.open("rb") as file:
+def open_part(folder: Path) -> Path:
+    """The part that answers are appended to (plain JSON lines): the one after the compressed parts. A plain part
+    left beside its own compressed copy (by a crash while compressing it) is removed."""
+    packed = sorted(folder.glob("part-*.jsonl.gz"))
+    for part in packed:
+        part.with_suffix("").unlink(missing_ok=True)  # part-N.jsonl.gz -> part-N.jsonl
+    return folder / f"part-{len(packed):05d}.jsonl"
+
+
+def pack(part: Path) -> None:
+    """Compress a full part into `part-N.jsonl.gz` (written aside, then renamed), then remove the plain one."""
+    packed, staging = part.with_suffix(".jsonl.gz"), part.with_suffix(".gz.tmp")
+    with part.open("rb") as source, staging.open("wb") as target:
+        with gzip.GzipFile(fileobj=target, mode="wb", mtime=0) as compressed:  # mtime 0: the same bytes every time
+            shutil.copyfileobj(source, compressed)
+    os.replace(staging, packed)
+    part.unlink()
+
+
+def read_done(folder: Path) -> set[int]:
+    """Indices of prompts already answered in the parts of `folder`; a torn last line of the open part (from a
+    crash) is cut off."""
+    done = {row["index"] for part in sorted(folder.glob("part-*.jsonl.gz")) for row in read_rows(str(part))}
+    part, good_bytes = open_part(folder), 0
+    if part.is_file():
+        with part.open("rb") as file:
             for line in file:
                 try:
                     done.add(json.loads(line)["index"])
                 except (json.JSONDecodeError, KeyError, UnicodeDecodeError):
                     break
                 good_bytes += len(line)
-        if good_bytes < out.stat().st_size:
-            os.truncate(out, good_bytes)
+        if good_bytes < part.stat().st_size:
+            os.truncate(part, good_bytes)
     return done
 
 
 def run_distill(distill: Distill, base_model: str, out: str | Path) -> None:
-    """Answer every prompt not yet in `out` (JSON lines of `{index, messages}`), appending as batches finish."""
+    """Answer every prompt not yet answered in the folder `out`, appending each answer as it ends to its open part
+    (JSON lines of `{index, messages}`) and compressing each part once it holds `part_size` answers."""
     out = Path(out)
+    if out.suffix:
+        raise ValueError(f"Distilled answers go to a folder of parts, not to the file {str(out)!r}: drop the suffix.")
     tokenizer = load_tokenizer(base_model)
-    prompts = {}  # index of the row in the prompt file -> chat-templated prompt ids
+    prompts = {}  # index of the row in the prompt file -> (first user turn, chat-templated prompt ids)
     for index, row in enumerate(read_rows(distill.prompts)):
         example = to_example(row)
         users = [m["content"] for m in example if m["role"] == "user"] if isinstance(example, list) else [example]
@@ -67,35 +102,117 @@ def run_distill(distill: Distill, base_model: str, out: str | Path) -> None:
                 prompts[index] = (users[0], ids)
     selected = list(prompts)[: distill.limit]
     done = read_done(out)
-    todo = sorted((i for i in selected if i not in done), key=lambda i: len(prompts[i][1]))  # batch similar lengths
+    todo = sorted((i for i in selected if i not in done), key=lambda i: len(prompts[i][1]))  # similar lengths meet
     if not todo:
         return
     model, _ = load_base(base_model)  # the tokenizer is already loaded
-    tokenizer.padding_side = "left"
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("a", encoding="utf-8") as file, tqdm(total=len(todo), desc="self-distilling", unit="prompt") as bar:
-        for start in range(0, len(todo), distill.batch_size):
-            batch = todo[start : start + distill.batch_size]
-            inputs = tokenizer.pad({"input_ids": [prompts[i][1] for i in batch]}, return_tensors="pt")
-            torch.manual_seed(distill.seed + batch[0])  # reproducible whatever was done before
-            with torch.no_grad():
-                output = model.generate(
-                    **inputs,
-                    max_new_tokens=distill.max_new_tokens,
-                    do_sample=distill.temperature > 0,
-                    temperature=distill.temperature or None,
-                    top_k=None,
-                    top_p=None,
-                    pad_token_id=pad_id,
-                )
-            answers = tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-            for i, answer in zip(batch, answers, strict=True):
-                messages = [
-                    {"role": "user", "content": prompts[i][0]},
-                    {"role": "assistant", "content": answer.strip()},
-                ]
+    out.mkdir(parents=True, exist_ok=True)
+    part = open_part(out)
+    count = len(part.read_text(encoding="utf-8").splitlines()) if part.is_file() else 0  # answers in the open part
+    start, tokens = time.perf_counter(), 0
+    with tqdm(total=len(todo), desc="self-distilling", unit="prompt") as bar:
+        for i, answer in continuous_batching(model, [(i, prompts[i][1]) for i in todo], distill):
+            text = tokenizer.decode(answer, skip_special_tokens=True).strip()
+            messages = [{"role": "user", "content": prompts[i][0]}, {"role": "assistant", "content": text}]
+            with part.open("a", encoding="utf-8") as file:
                 file.write(json.dumps({"index": i, "messages": messages}, ensure_ascii=False) + "\n")
-            file.flush()
-            os.fsync(file.fileno())
-            bar.update(len(batch))
+                file.flush()
+                os.fsync(file.fileno())
+            count += 1
+            if count == distill.part_size:
+                pack(part)
+                part, count = open_part(out), 0
+            tokens += len(answer)
+            bar.set_postfix(answer_tokens_per_s=f"{tokens / (time.perf_counter() - start):.1f}")
+            bar.update()
+
+
+@torch.no_grad()
+def continuous_batching(model, prompts: list[tuple[int, list[int]]], distill: Distill) -> Iterator[tuple[int, list]]:
+    """Answer `prompts` ((index, prompt ids), in this order), `distill.batch_size` at a time; yield (index, answer
+    ids) as each answer ends, at an EOS (left out) or at `max_new_tokens`.
+
+    A finished row does not wait for the rest of its batch (as with `generate`): its slot takes the next prompt
+    at once, so every row of every step computes a token that is kept. The rows share one KV cache whose
+    columns are time slots: a new prompt is prefilled (with the other prompts that start at that step,
+    left-padded) and its keys and values are written right-aligned into its row, the columns before them masked
+    out. Each row has its own position ids, so a row computes what it would compute alone. Columns that no row
+    sees any more are cut from the left.
+    """
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    queue = iter(prompts)
+    rows: list[tuple[int, list[int]] | None] = []  # per row: (prompt index, answer so far), None when free
+    cache, seen = None, torch.zeros(0, 0, dtype=torch.bool)  # seen (B, L): the cache columns each row attends to
+    positions, last = torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)  # (B,) next position, token
+    generators = {}  # prompt index -> its own seeded generator, so a sample does not depend on its batch
+
+    def choose(logits: torch.Tensor, index: int) -> int:  # logits (V,)
+        if distill.temperature == 0:
+            return int(logits.argmax())
+        if index not in generators:
+            generators[index] = torch.Generator().manual_seed(distill.seed + index)
+        probs = (logits.float() / distill.temperature).softmax(-1)
+        return int(torch.multinomial(probs, 1, generator=generators[index]))
+
+    def settle(row: int, token: int):  # the row's next token: kept, or the end of its answer
+        index, answer = rows[row]
+        if token not in eos:
+            answer.append(token)
+            last[row] = token
+        if token in eos or len(answer) == distill.max_new_tokens:
+            rows[row] = None
+            seen[row] = False
+            generators.pop(index, None)
+            return index, answer
+        return None
+
+    while True:
+        free = [row for row, state in enumerate(rows) if state is None]
+        new = list(itertools.islice(queue, distill.batch_size if cache is None else len(free)))
+        finished = []
+        if new:  # prefill the prompts that start now, left-padded together, then give each a free row
+            width = max(len(ids) for _, ids in new)
+            mask = torch.tensor([[False] * (width - len(ids)) + [True] * len(ids) for _, ids in new])  # (n, W)
+            ids = torch.tensor([[0] * (width - len(ids)) + ids for _, ids in new])  # (n, W)
+            fresh = DynamicCache()
+            logits = model(input_ids=ids, attention_mask=mask.long(), position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                           cache=fresh, use_cache=True).logits[:, -1]  # (n, V)  # fmt: skip
+            if cache is None:  # the first prompts: their cache is the batch's
+                cache, seen, rows = fresh, mask, [None] * len(new)
+                positions, last, slots = mask.sum(1), torch.zeros(len(new), dtype=torch.long), list(range(len(new)))
+            else:
+                slots, grow = free[: len(new)], max(width - seen.shape[1], 0)  # columns to add on the left
+                seen = torch.nn.functional.pad(seen, (grow, 0))  # (B, L); a free row sees nothing (settle)
+                seen[slots, seen.shape[1] - width :] = mask
+                for layer, added in zip(cache.layers, fresh.layers, strict=True):
+                    for name in ("keys", "values"):  # (B, heads, L, head dim)
+                        states = getattr(layer, name)
+                        if grow:  # a copy of the whole cache: only when the new prompt is longer than it
+                            states = torch.nn.functional.pad(states, (0, 0, grow, 0))
+                            setattr(layer, name, states)
+                        states[slots, :, states.shape[2] - width :] = getattr(added, name)
+                positions[slots] = mask.sum(1)
+            for row, (index, _), row_logits in zip(slots, new, logits, strict=True):
+                rows[row] = (index, [])
+                finished.append(settle(row, choose(row_logits, index)))
+        else:
+            active = [row for row, state in enumerate(rows) if state is not None]
+            if not active:
+                return
+            if len(active) < len(rows):  # no prompt left to fill the free rows: drop them
+                cache.batch_select_indices(torch.tensor(active))
+                seen, positions, last = seen[active], positions[active], last[active]
+                rows = [rows[row] for row in active]
+            seen = torch.cat([seen, torch.ones(len(rows), 1, dtype=torch.bool)], 1)  # (B, L+1) the new column
+            logits = model(input_ids=last[:, None], attention_mask=seen.long(), position_ids=positions[:, None],
+                           cache=cache, use_cache=True).logits[:, -1]  # (B, V)  # fmt: skip
+            positions += 1
+            for row in range(len(rows)):
+                finished.append(settle(row, choose(logits[row], rows[row][0])))
+            unused = int(seen.any(0).int().argmax())  # leading columns that no row sees any more
+            if unused:
+                seen = seen[:, unused:]
+                for layer in cache.layers:
+                    layer.keys, layer.values = layer.keys[:, :, unused:], layer.values[:, :, unused:]
+        yield from (answer for answer in finished if answer is not None)

@@ -92,17 +92,18 @@ class MedusaHeads(nn.Module):
                 for projection in self.projections:
                     projection.weight.data.copy_(lm_head_weight)
 
-    def forward(self, hidden: torch.Tensor, base_lm_head: nn.Module) -> torch.Tensor:
-        """Logits of every head: hidden (..., H) -> (K, ..., V).
+    def forward(self, hidden: torch.Tensor, base_lm_head: nn.Module, num_heads: int | None = None) -> torch.Tensor:
+        """Logits of the first `num_heads` heads (default: all): hidden (..., H) -> (K, ..., V).
 
         Args:
             hidden: the base model's last hidden states (after its final norm).
             base_lm_head: the base model's output projection, used when `lm_head == "shared"`.
+            num_heads: compute only heads 0..num_heads-1 (a tree of depth d needs the first d).
         """
-        states = torch.stack([blocks(hidden) for blocks in self.blocks])  # (K, ..., H)
+        states = torch.stack([blocks(hidden) for blocks in self.blocks[:num_heads]])  # (K, ..., H)
         if self.projections is None:  # one pass over the shared weight for all heads, not one per head
             return base_lm_head(states)  # (K, ..., V)
-        return torch.stack([projection(state) for projection, state in zip(self.projections, states, strict=True)])
+        return torch.stack([projection(state) for projection, state in zip(self.projections, states, strict=False)])
 
     def check_base(self, name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
         """Raise if these heads were trained for a base other than (model, tokenizer)."""

@@ -1,5 +1,6 @@
 """Read training and prompt data: JSON, JSON lines, dataset folders and `datasets` ids, in four row formats."""
 
+import gzip
 import json
 from pathlib import Path
 
@@ -22,12 +23,15 @@ _SHAREGPT_ROLES = {
 
 
 def read_rows(source: str, split: str = "train") -> list[dict]:
-    """Rows of a JSON list or JSON-lines file, a dataset folder, or a Hugging Face `datasets` id."""
+    """Rows of a JSON list or JSON-lines file (`.jsonl.gz`: gzip-compressed); of a folder: every JSON-lines file
+    in it and below, in path order (such as the parts `mtp.distill` writes), else a `datasets` folder
+    (`save_to_disk` or data files); or of a Hugging Face `datasets` id."""
     path = Path(source).expanduser()
-    if path.suffix in (".json", ".jsonl"):
+    if path.name.endswith((".json", ".jsonl", ".jsonl.gz")):
         if not path.is_file():
             raise FileNotFoundError(f"Data file {str(path)!r} does not exist: check the path.")
-        text = path.read_text(encoding="utf-8")
+        with (gzip.open if path.suffix == ".gz" else open)(path, "rt", encoding="utf-8") as file:
+            text = file.read()
         if path.suffix == ".json" and text.lstrip().startswith("["):
             return json.loads(text)
         rows = []
@@ -41,6 +45,9 @@ def read_rows(source: str, split: str = "train") -> list[dict]:
                     ) from None
         return rows
     if path.is_dir():
+        lines = sorted(file for file in path.rglob("*") if file.name.endswith((".jsonl", ".jsonl.gz")))
+        if lines:
+            return [row for file in lines for row in read_rows(str(file))]
         if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
             loaded = datasets.load_from_disk(str(path))
             return list(loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded)

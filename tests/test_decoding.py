@@ -55,10 +55,11 @@ class OracleHeads(nn.Module):
         self.sequence, self.vocab = sequence, model.config.vocab_size
         self.config = types.SimpleNamespace(num_heads=num_heads)
 
-    def forward(self, hidden, lm_head):
+    def forward(self, hidden, lm_head, num_heads=None):
         t = int((self.hidden - hidden).abs().amax(-1).argmin())
-        logits = torch.zeros(self.config.num_heads, self.vocab)  # (K, V)
-        for k in range(self.config.num_heads):
+        num_heads = num_heads or self.config.num_heads
+        logits = torch.zeros(num_heads, self.vocab)  # (K, V)
+        for k in range(num_heads):
             if t + k + 2 < len(self.sequence):
                 logits[k, self.sequence[t + k + 2]] = 1.0
         return logits
@@ -92,6 +93,19 @@ def test_oracle_heads_give_the_same_output_in_far_fewer_passes(model_type, token
     assert result.token_ids == expected[:40]
     assert sum(n > 1 for n in result.accept_lengths) > 0.8 * len(result.accept_lengths)  # most steps accept more
     assert result.tau > 3
+
+
+def test_a_step_runs_only_the_heads_its_tree_reaches(tokenizer):
+    model = tiny_model()
+    heads, asked = random_heads(model), []
+    forward = heads.forward
+    heads.forward = lambda hidden, lm_head, num_heads=None: (
+        asked.append(num_heads) or forward(hidden, lm_head, num_heads)
+    )
+    shallow = Tree.from_paths([(0,), (1,), (0, 0)])  # depth 2: heads 0 and 1 of 4
+    result = Decoder(model, tokenizer, heads, shallow).generate(PROMPT, max_new_tokens=12)
+    assert result.token_ids == reference(model, tokenizer(PROMPT, return_tensors="pt").input_ids, 12)
+    assert asked and set(asked) <= {1, 2} and asked[0] == 2  # 1 only where the end of the output cuts the tree
 
 
 def test_without_heads_the_loop_is_plain_greedy_decoding(tokenizer):

@@ -1,3 +1,4 @@
+import gzip
 import json
 import shutil
 from pathlib import Path
@@ -7,6 +8,7 @@ import torch
 
 from mtp.base import load_base
 from mtp.distill import Distill, read_done, run_distill
+from mtp.rows import read_rows
 from tests.conftest import TINY_BASE
 
 
@@ -19,12 +21,12 @@ def prompts(tmp_path):
     return str(path)
 
 
-def lines(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
+def lines(folder):
+    return read_rows(str(folder))
 
 
 def test_distillation_answers_prompts_and_resumes_without_losing_rows(prompts, tmp_path):
-    out = tmp_path / "answers.jsonl"
+    out = tmp_path / "answers"
     settings = dict(prompts=prompts, max_new_tokens=5, max_prompt_tokens=60, batch_size=2)
     run_distill(Distill(limit=3, **settings), TINY_BASE, out)
     first = lines(out)
@@ -36,20 +38,37 @@ def test_distillation_answers_prompts_and_resumes_without_losing_rows(prompts, t
     second = lines(out)
     assert second[:3] == first and sorted(row["index"] for row in second) == [0, 1, 3, 4, 5]
 
-    mtime = out.stat().st_mtime_ns
+    mtime = (out / "part-00000.jsonl").stat().st_mtime_ns
     run_distill(Distill(limit=5, **settings), TINY_BASE, out)  # nothing left to do: untouched
-    assert out.stat().st_mtime_ns == mtime
+    assert (out / "part-00000.jsonl").stat().st_mtime_ns == mtime
 
 
 def test_a_torn_last_line_is_cut_off_and_answered_again(prompts, tmp_path):
-    out = tmp_path / "answers.jsonl"
+    out = tmp_path / "answers"
     settings = dict(prompts=prompts, max_new_tokens=5, max_prompt_tokens=60, batch_size=2, limit=2)
     run_distill(Distill(**settings), TINY_BASE, out)
-    complete = out.read_text()
-    out.write_text(complete.splitlines(keepends=True)[0] + complete.splitlines()[1][:20])  # crash mid-write
+    part = out / "part-00000.jsonl"
+    complete = part.read_text()
+    part.write_text(complete.splitlines(keepends=True)[0] + complete.splitlines()[1][:20])  # crash mid-write
     assert read_done(out) == {json.loads(complete.splitlines()[0])["index"]}
     run_distill(Distill(**settings), TINY_BASE, out)
     assert sorted(row["index"] for row in lines(out)) == [0, 1]
+
+
+def test_full_parts_are_compressed_and_a_resumed_run_reads_and_extends_them(prompts, tmp_path):
+    out = tmp_path / "answers"
+    settings = dict(prompts=prompts, max_new_tokens=3, max_prompt_tokens=60, batch_size=2, part_size=2)
+    run_distill(Distill(limit=3, **settings), TINY_BASE, out)
+    assert sorted(path.name for path in out.iterdir()) == ["part-00000.jsonl.gz", "part-00001.jsonl"]
+    with gzip.open(out / "part-00000.jsonl.gz", "rt") as packed:
+        assert len(packed.read().splitlines()) == 2
+    (out / "part-00000.jsonl").write_text("stale copy left by a crash while compressing\n")
+    run_distill(Distill(limit=6, **settings), TINY_BASE, out)
+    names = ["part-00000.jsonl.gz", "part-00001.jsonl.gz", "part-00002.jsonl.gz"]
+    assert sorted(path.name for path in out.iterdir()) == names  # 6 answers: three full parts, no stale copy
+    assert sorted(row["index"] for row in lines(out)) == [0, 1, 3, 4, 5, 6]
+    with pytest.raises(ValueError, match="go to a folder of parts, not to the file"):
+        run_distill(Distill(**settings), TINY_BASE, tmp_path / "answers.jsonl")
 
 
 VICUNA = "{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}\n{% endfor %}"
@@ -77,7 +96,7 @@ def test_answers_batched_with_left_padding_equal_plain_greedy_generate_of_each_p
     questions = ["Hi?", "Count from one to nine, please.", "Why is the sky blue on a clear day, and why not red?"]
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps([{"conversations": [{"from": "human", "value": q}]} for q in questions]))
-    out = tmp_path / "answers.jsonl"
+    out = tmp_path / "answers"
     run_distill(Distill(prompts=str(prompts), max_new_tokens=10, batch_size=3), base, out)
     answers = {row["index"]: row["messages"][1]["content"] for row in lines(out)}
 
@@ -105,3 +124,32 @@ def test_answers_batched_with_left_padding_equal_plain_greedy_generate_of_each_p
 def test_bad_distill_settings_are_clear_errors(bad, message):
     with pytest.raises(ValueError, match=message):
         Distill(prompts="p.json", **bad)
+
+
+def test_a_finished_row_takes_the_next_prompt_and_every_answer_is_still_the_prompts_own(tmp_path):
+    """Continuous batching: 5 prompts, 2 rows, an EOS that ends one answer after 3 tokens while the others run
+    on, so rows are refilled at different steps, next to rows of other ages. Each answer must be a greedy
+    `generate` of its prompt alone."""
+    base = varied_tiny_base(tmp_path / "model")
+    questions = ["Hi?", "Count from one to nine.", "Why is the sky blue?", "Name a fruit.", "What is two and two?"]
+    model, tokenizer = load_base(base)
+    inputs = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True) for q in questions]  # fmt: skip
+    model.generation_config.eos_token_id = None
+    free = [model.generate(**x, max_new_tokens=12, do_sample=False)[0, x["input_ids"].shape[1] :] for x in inputs]
+    eos = int(free[0][3])  # answer 0 ends after 3 tokens
+    assert eos not in free[0][:3].tolist()
+    config = json.loads(Path(base).read_text()) | {"eos_token_id": eos}
+    Path(base).write_text(json.dumps(config))
+    model.generation_config.eos_token_id = eos
+    expected = []
+    for x in inputs:
+        answer = model.generate(**x, max_new_tokens=12, do_sample=False)[0, x["input_ids"].shape[1] :].tolist()
+        expected.append(tokenizer.decode(answer[: answer.index(eos)] if eos in answer else answer).strip())
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([{"conversations": [{"from": "human", "value": q}]} for q in questions]))
+    out = tmp_path / "answers"
+    run_distill(Distill(prompts=str(prompts), max_new_tokens=12, batch_size=2), base, out)
+    answers = {row["index"]: row["messages"][1]["content"] for row in lines(out)}
+    assert [answers[i] for i in range(5)] == expected
+    assert len({len(tokenizer.encode(text)) for text in expected}) > 1  # answers of different lengths

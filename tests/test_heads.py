@@ -29,6 +29,20 @@ def test_new_heads_predict_what_the_base_lm_head_predicts(tiny, config, lm_head)
         assert torch.allclose(logits[k], lm_head_module(hidden), atol=1e-5)
 
 
+@pytest.mark.parametrize("lm_head", ["shared", "own"])
+def test_the_first_heads_alone_give_the_first_rows_of_all_heads(tiny, config, lm_head):
+    model, _ = tiny
+    config.lm_head = lm_head
+    heads = MedusaHeads(config, model.get_output_embeddings().weight.detach())
+    torch.manual_seed(0)
+    for parameter in heads.parameters():  # heads that differ from each other
+        torch.nn.init.normal_(parameter, std=0.3)
+    hidden = torch.randn(4, config.hidden_size)
+    every = heads(hidden, model.get_output_embeddings())  # (3, 4, V)
+    first = heads(hidden, model.get_output_embeddings(), num_heads=2)  # (2, 4, V)
+    assert first.shape[0] == 2 and torch.equal(first, every[:2]) and not torch.equal(every[1], every[2])
+
+
 def test_every_layer_of_every_head_is_its_own_module(config):
     heads = MedusaHeads(config)
     blocks = [block for head in heads.blocks for block in head]

@@ -1,0 +1,93 @@
+"""Self-distillation throughput, in one run over the same prompts: answer tokens/s of plain single-prompt greedy
+`generate`, of `generate` over length-sorted left-padded batches (the old `mtp.distill`: a finished row keeps
+its slot until the longest answer of its batch ends), and of `mtp.distill.continuous_batching` (a finished row
+takes the next prompt at once), with the ratios to single-prompt `generate`.
+
+    python benchmarks/distill_throughput.py --prompts 64 --max-new-tokens 256 --batch-sizes 16,32
+"""
+
+import argparse
+import time
+
+import torch
+
+from mtp.base import DEFAULT_BASE, load_base
+from mtp.distill import Distill, continuous_batching
+from mtp.rows import read_rows, to_example
+
+
+def answer_length(new_tokens: list[int], eos: int) -> int:
+    return new_tokens.index(eos) if eos in new_tokens else len(new_tokens)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", default="data/sharegpt_prompts.json", help="prompts (any format mtp.data reads)")
+    parser.add_argument("--prompts", type=int, default=64, help="the first N prompts of at most --max-prompt-tokens")
+    parser.add_argument("--max-prompt-tokens", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--batch-sizes", default="16,32")
+    parser.add_argument("--single", type=int, default=3, help="prompts timed with single-prompt generate")
+    args = parser.parse_args()
+    model, tokenizer = load_base(DEFAULT_BASE)
+    eos = tokenizer.eos_token_id
+    prompts = []
+    for row in read_rows(args.data):
+        ids = tokenizer.apply_chat_template([to_example(row)[0]], add_generation_prompt=True, return_dict=False)
+        if len(ids) <= args.max_prompt_tokens:
+            prompts.append(ids)
+        if len(prompts) == args.prompts:
+            break
+    prompts.sort(key=len)
+    lengths = [len(ids) for ids in prompts]
+    print(f"{len(prompts)} prompts of {lengths[0]}-{lengths[-1]} tokens (mean {sum(lengths) / len(lengths):.0f}), "
+          f"answers of at most {args.max_new_tokens} tokens")  # fmt: skip
+
+    tokens, start = 0, time.perf_counter()
+    for ids in prompts[:: len(prompts) // args.single][: args.single]:  # spread over the prompt lengths
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=False)
+        tokens += answer_length(out[0, len(ids) :].tolist(), eos)
+    single = tokens / (time.perf_counter() - start)
+    print(f"single-prompt generate: {single:.1f} answer tokens/s ({tokens} tokens)")
+
+    tokenizer.padding_side = "left"
+    for batch_size in map(int, args.batch_sizes.split(",")):
+        tokens = slots = 0
+        start = time.perf_counter()
+        for first in range(0, len(prompts), batch_size):
+            inputs = tokenizer.pad({"input_ids": prompts[first : first + batch_size]}, return_tensors="pt")
+            with torch.no_grad():
+                out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False,
+                                     pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+            out = out[:, inputs["input_ids"].shape[1] :]  # (B, new tokens)
+            tokens += sum(answer_length(row, eos) for row in out.tolist())
+            slots += out.numel()
+        batched = tokens / (time.perf_counter() - start)
+        print(f"batched generate, batch {batch_size}: {batched:.1f} answer tokens/s ({batched / single:.1f}x single), "
+              f"{tokens} of {slots} slots computed were answer tokens ({tokens / slots:.0%})")  # fmt: skip
+
+        distill = Distill(prompts="", max_new_tokens=args.max_new_tokens, batch_size=batch_size)
+        forward, phases = model.forward, {"prefill": 0.0, "step": 0.0}
+
+        def timed(*args, forward=forward, phases=phases, **kwargs):  # where the time goes: prefills or steps
+            begin = time.perf_counter()
+            out = forward(*args, **kwargs)
+            phases["prefill" if kwargs["input_ids"].shape[1] > 1 else "step"] += time.perf_counter() - begin
+            return out
+
+        model.forward = timed
+        start, tokens = time.perf_counter(), 0
+        for _, answer in continuous_batching(model, list(enumerate(prompts)), distill):
+            tokens += len(answer)
+        seconds = time.perf_counter() - start
+        model.forward = forward
+        continuous = tokens / seconds
+        print(f"continuous batching, batch {batch_size}: {continuous:.1f} answer tokens/s ({continuous / single:.1f}x "
+              f"single, {continuous / batched:.2f}x batched generate), {tokens} tokens; of {seconds:.0f} s, "
+              f"prefill {phases['prefill']:.0f} s, steps {phases['step']:.0f} s, the rest "
+              f"{seconds - sum(phases.values()):.0f} s")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
