@@ -149,8 +149,8 @@ class Decoder:
                 tokens = torch.tensor([root], device=device)  # (1,) root only
                 if tree.size > 1:
                     depth = int(tree.depths[-1])  # nodes are breadth-first: the last is the deepest
-                    guesses = self.heads(last_hidden, self.base_model.get_output_embeddings(), depth)  # (D, V)
-                    guesses = guesses.topk(self.top_k, dim=-1).indices  # (D, top_k)
+                    lm_head = self.base_model.get_output_embeddings()
+                    guesses = self.heads.guesses(last_hidden, lm_head, depth, self.top_k)  # (D, top_k) token ids
                     tokens = torch.cat([tokens, guesses[tree.depths[1:] - 1, tree.ranks[1:]]])  # (N+1,)
                 mask = tree_attention_mask(tree.mask, tree.depths, prefix_len, self.windows, hidden.dtype)
             with record_function("mtp.verify"):  # one forward pass of the base model over the whole tree

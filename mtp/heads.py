@@ -33,6 +33,9 @@ class HeadsConfig:
     (measured by the last validation run of training); the tree search starts from it."""
     tree: list[list[int]] | None = None
     """Paths of the decoding tree chosen for these heads (see `mtp.tree`); None: the default named tree."""
+    draft_vocab: list[int] | None = None
+    """Token ids the heads' guesses are drawn from when decoding (the most frequent target tokens of the
+    training data): each head's projection then scores these rows only. None: the whole vocabulary."""
 
     def __post_init__(self):
         if self.num_heads < 1:
@@ -104,6 +107,26 @@ class MedusaHeads(nn.Module):
         if self.projections is None:  # one pass over the shared weight for all heads, not one per head
             return base_lm_head(states)  # (K, ..., V)
         return torch.stack([projection(state) for projection, state in zip(self.projections, states, strict=False)])
+
+    def guesses(self, hidden: torch.Tensor, base_lm_head: nn.Module, num_heads: int, k: int) -> torch.Tensor:
+        """Token ids of the top-k guesses of the first `num_heads` heads, from the draft vocabulary if there is one:
+        hidden (H,) -> (D, k)."""
+        if self.config.draft_vocab is None:
+            return self(hidden, base_lm_head, num_heads).topk(k, dim=-1).indices  # (D, k)
+        states = torch.stack([blocks(hidden) for blocks in self.blocks[:num_heads]])  # (D, H)
+        ids, weights = self._draft_rows(base_lm_head)  # (N,), (K or 1, N, H)
+        logits = torch.bmm(weights[:num_heads].expand(num_heads, -1, -1), states[:, :, None])[..., 0]  # (D, N)
+        return ids[logits.topk(k, dim=-1).indices]  # (D, k)
+
+    def _draft_rows(self, base_lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft vocabulary's ids (N,) and its rows of the projections (K or 1, N, H), gathered once per
+        projection weights (the gather copies N x H floats: too much to repeat every step)."""
+        sources = [base_lm_head.weight] if self.projections is None else [p.weight for p in self.projections]
+        key = [(w.data_ptr(), w._version, w.device, w.dtype) for w in sources]
+        if getattr(self, "_draft_key", None) != key:
+            ids = torch.tensor(self.config.draft_vocab, device=sources[0].device)  # (N,)
+            self._draft_key, self._draft = key, (ids, torch.stack([w[ids] for w in sources]))
+        return self._draft
 
     def check_base(self, name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
         """Raise if these heads were trained for a base other than (model, tokenizer)."""

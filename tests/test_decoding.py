@@ -55,14 +55,13 @@ class OracleHeads(nn.Module):
         self.sequence, self.vocab = sequence, model.config.vocab_size
         self.config = types.SimpleNamespace(num_heads=num_heads)
 
-    def forward(self, hidden, lm_head, num_heads=None):
+    def guesses(self, hidden, lm_head, num_heads, k):
         t = int((self.hidden - hidden).abs().amax(-1).argmin())
-        num_heads = num_heads or self.config.num_heads
-        logits = torch.zeros(num_heads, self.vocab)  # (K, V)
-        for k in range(num_heads):
-            if t + k + 2 < len(self.sequence):
-                logits[k, self.sequence[t + k + 2]] = 1.0
-        return logits
+        logits = torch.zeros(num_heads, self.vocab)  # (D, V)
+        for head in range(num_heads):
+            if t + head + 2 < len(self.sequence):
+                logits[head, self.sequence[t + head + 2]] = 1.0
+        return logits.topk(k, dim=-1).indices  # (D, k)
 
 
 def random_heads(model, num_heads=4, seed=1):
@@ -98,14 +97,24 @@ def test_oracle_heads_give_the_same_output_in_far_fewer_passes(model_type, token
 def test_a_step_runs_only_the_heads_its_tree_reaches(tokenizer):
     model = tiny_model()
     heads, asked = random_heads(model), []
-    forward = heads.forward
-    heads.forward = lambda hidden, lm_head, num_heads=None: (
-        asked.append(num_heads) or forward(hidden, lm_head, num_heads)
+    guesses = heads.guesses
+    heads.guesses = lambda hidden, lm_head, num_heads, k: (
+        asked.append(num_heads) or guesses(hidden, lm_head, num_heads, k)
     )
     shallow = Tree.from_paths([(0,), (1,), (0, 0)])  # depth 2: heads 0 and 1 of 4
     result = Decoder(model, tokenizer, heads, shallow).generate(PROMPT, max_new_tokens=12)
     assert result.token_ids == reference(model, tokenizer(PROMPT, return_tensors="pt").input_ids, 12)
     assert asked and set(asked) <= {1, 2} and asked[0] == 2  # 1 only where the end of the output cuts the tree
+
+
+def test_heads_with_a_draft_vocabulary_give_the_base_models_greedy_output(tokenizer):
+    model = tiny_model()
+    input_ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    expected = reference(model, input_ids, 40)
+    heads = random_heads(model)
+    heads.config.draft_vocab = sorted(set(expected))  # guesses can be right (or wrong) only among these tokens
+    result = Decoder(model, tokenizer, heads, TREE).generate(PROMPT, max_new_tokens=40)
+    assert result.token_ids == expected
 
 
 def test_without_heads_the_loop_is_plain_greedy_decoding(tokenizer):

@@ -43,6 +43,27 @@ def test_the_first_heads_alone_give_the_first_rows_of_all_heads(tiny, config, lm
     assert first.shape[0] == 2 and torch.equal(first, every[:2]) and not torch.equal(every[1], every[2])
 
 
+@pytest.mark.parametrize("lm_head", ["shared", "own"])
+def test_guesses_from_a_draft_vocabulary_are_its_best_tokens_by_the_full_logits(tiny, config, lm_head):
+    model, _ = tiny
+    config.lm_head = lm_head
+    heads = MedusaHeads(config, model.get_output_embeddings().weight.detach())
+    torch.manual_seed(0)
+    for parameter in heads.parameters():
+        torch.nn.init.normal_(parameter, std=0.3)
+    hidden, lm_head_module = torch.randn(config.hidden_size), model.get_output_embeddings()
+    full = heads(hidden, lm_head_module, num_heads=2)  # (2, V)
+    heads.config.draft_vocab = torch.randperm(config.vocab_size)[:40].tolist()
+    guesses = heads.guesses(hidden, lm_head_module, num_heads=2, k=5)  # (2, 5)
+    outside = torch.ones(config.vocab_size, dtype=torch.bool)
+    outside[heads.config.draft_vocab] = False
+    expected = full.masked_fill(outside, float("-inf")).topk(5, dim=-1).indices  # the full logits, draft tokens only
+    assert torch.equal(guesses, expected)
+    assert not torch.equal(guesses, full.topk(5, dim=-1).indices)  # not what the whole vocabulary gives
+    heads.config.draft_vocab = None
+    assert torch.equal(heads.guesses(hidden, lm_head_module, num_heads=2, k=5), full.topk(5, dim=-1).indices)
+
+
 def test_every_layer_of_every_head_is_its_own_module(config):
     heads = MedusaHeads(config)
     blocks = [block for head in heads.blocks for block in head]

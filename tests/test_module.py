@@ -210,3 +210,17 @@ def test_the_learning_rate_warms_up_linearly_then_decays_along_a_cosine(tmp_path
     # cos(2 pi/7) = 0.62349, cos(3 pi/7) = 0.22252 (and cos(pi - x) = -cos(x))
     expected = [0.25, 0.5, 0.75, 1.0, 0.950484, 0.811745, 0.611260, 0.388740, 0.188255, 0.049516]
     assert rates.rates == pytest.approx([1e-2 * scale for scale in expected], abs=1e-8)
+
+
+def test_the_draft_vocabulary_is_the_most_frequent_training_targets_and_is_saved(tmp_path):
+    module = HeadsModule(TINY_BASE, num_heads=2, draft_vocab=20)
+    data = HeadsDataModule(TINY_CHAT, TINY_BASE, batch_size=8)
+    trainer(tmp_path, 2, [], limit_val_batches=0).fit(module, data)
+    targets = torch.cat([ids[mask] for ids, mask, _ in data.train_examples])
+    counts = torch.bincount(targets, minlength=module.heads.config.vocab_size)
+    draft = module.heads.config.draft_vocab
+    assert len(draft) == 20 == len(set(draft)) and counts[draft].min() >= counts.sort(descending=True).values[19]
+    (saved,) = tmp_path.rglob("heads/config.json")
+    assert json.loads(saved.read_text())["draft_vocab"] == draft
+    with pytest.raises(ValueError, match="draft_vocab=-1"):
+        HeadsModule(TINY_BASE, draft_vocab=-1)
