@@ -108,7 +108,7 @@ def run_distill(distill: Distill, base_model: str, out: str | Path) -> None:
     model, _ = load_base(base_model)  # the tokenizer is already loaded
     out.mkdir(parents=True, exist_ok=True)
     part = open_part(out)
-    count = len(part.read_text(encoding="utf-8").splitlines()) if part.is_file() else 0  # answers in the open part
+    count = part.read_bytes().count(b"\n") if part.is_file() else 0  # answers in the open part
     start, tokens = time.perf_counter(), 0
     with tqdm(total=len(todo), desc="self-distilling", unit="prompt") as bar:
         for i, answer in continuous_batching(model, [(i, prompts[i][1]) for i in todo], distill):

@@ -35,7 +35,7 @@ def read_rows(source: str, split: str = "train") -> list[dict]:
         if path.suffix == ".json" and text.lstrip().startswith("["):
             return json.loads(text)
         rows = []
-        for number, line in enumerate(text.splitlines(), 1):
+        for number, line in enumerate(text.split("\n"), 1):  # not splitlines: JSON text may hold U+2028 or \x1c
             if line.strip():
                 try:
                     rows.append(json.loads(line))

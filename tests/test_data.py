@@ -136,3 +136,12 @@ def test_validation_batches_are_the_held_out_examples_and_no_index_is_shared(tmp
     assert sorted((train | val).values()) == sorted(tuple(tokenizer(row["text"]).input_ids) for row in rows)
     assert val == {index: tuple(ids.tolist()) for ids, _, index in data.val_examples}
     assert seen(data.train_dataloader()) == train  # reshuffled, but each index still names the same example
+
+
+def test_a_json_lines_value_with_unicode_line_separators_is_one_row(tmp_path):
+    """json.dumps(ensure_ascii=False) leaves U+2028 and \\x1c unescaped (distilled answers hold them); only \\n
+    ends a JSON line."""
+    path = tmp_path / "rows.jsonl"
+    rows = [{"text": "one\u2028two\x1cthree"}, {"text": "four"}]
+    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    assert read_rows(str(path)) == rows
