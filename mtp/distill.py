@@ -87,7 +87,7 @@ def run_distill(distill: Distill, base_model: str, out: str | Path) -> None:
     """Answer every prompt not yet answered in the folder `out`, appending each answer as it ends to its open part
     (JSON lines of `{index, messages}`) and compressing each part once it holds `part_size` answers."""
     out = Path(out)
-    if out.suffix:
+    if out.is_file() or out.name.endswith((".json", ".jsonl", ".gz")):
         raise ValueError(f"Distilled answers go to a folder of parts, not to the file {str(out)!r}: drop the suffix.")
     tokenizer = load_tokenizer(base_model)
     prompts = {}  # index of the row in the prompt file -> (first user turn, chat-templated prompt ids)

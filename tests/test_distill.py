@@ -56,7 +56,7 @@ def test_a_torn_last_line_is_cut_off_and_answered_again(prompts, tmp_path):
 
 
 def test_full_parts_are_compressed_and_a_resumed_run_reads_and_extends_them(prompts, tmp_path):
-    out = tmp_path / "answers"
+    out = tmp_path / "answers-t0.8"  # a folder name with a dot is still a folder
     settings = dict(prompts=prompts, max_new_tokens=3, max_prompt_tokens=60, batch_size=2, part_size=2)
     run_distill(Distill(limit=3, **settings), TINY_BASE, out)
     assert sorted(path.name for path in out.iterdir()) == ["part-00000.jsonl.gz", "part-00001.jsonl"]

@@ -29,14 +29,20 @@ def test_new_heads_predict_what_the_base_lm_head_predicts(tiny, config, lm_head)
         assert torch.allclose(logits[k], lm_head_module(hidden), atol=1e-5)
 
 
-@pytest.mark.parametrize("lm_head", ["shared", "own"])
-def test_the_first_heads_alone_give_the_first_rows_of_all_heads(tiny, config, lm_head):
+def random_heads(tiny, config, lm_head):
+    """(model, heads with random weights: heads that differ from each other and from the base lm_head)."""
     model, _ = tiny
     config.lm_head = lm_head
     heads = MedusaHeads(config, model.get_output_embeddings().weight.detach())
     torch.manual_seed(0)
-    for parameter in heads.parameters():  # heads that differ from each other
+    for parameter in heads.parameters():
         torch.nn.init.normal_(parameter, std=0.3)
+    return model, heads
+
+
+@pytest.mark.parametrize("lm_head", ["shared", "own"])
+def test_the_first_heads_alone_give_the_first_rows_of_all_heads(tiny, config, lm_head):
+    model, heads = random_heads(tiny, config, lm_head)
     hidden = torch.randn(4, config.hidden_size)
     every = heads(hidden, model.get_output_embeddings())  # (3, 4, V)
     first = heads(hidden, model.get_output_embeddings(), num_heads=2)  # (2, 4, V)
@@ -45,12 +51,7 @@ def test_the_first_heads_alone_give_the_first_rows_of_all_heads(tiny, config, lm
 
 @pytest.mark.parametrize("lm_head", ["shared", "own"])
 def test_guesses_from_a_draft_vocabulary_are_its_best_tokens_by_the_full_logits(tiny, config, lm_head):
-    model, _ = tiny
-    config.lm_head = lm_head
-    heads = MedusaHeads(config, model.get_output_embeddings().weight.detach())
-    torch.manual_seed(0)
-    for parameter in heads.parameters():
-        torch.nn.init.normal_(parameter, std=0.3)
+    model, heads = random_heads(tiny, config, lm_head)
     hidden, lm_head_module = torch.randn(config.hidden_size), model.get_output_embeddings()
     full = heads(hidden, lm_head_module, num_heads=2)  # (2, V)
     heads.config.draft_vocab = torch.randperm(config.vocab_size)[:40].tolist()
