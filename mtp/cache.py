@@ -43,15 +43,18 @@ def tree_attention_mask(
         windows: `attention_windows` of the model.
         dtype: the model's dtype.
     """
-    positions = prefix_len + depths  # (N+1,)
-    keys = torch.cat([torch.arange(prefix_len, device=depths.device), positions])  # (P+N+1,) every key's position
-    prefix = torch.ones(len(depths), prefix_len, dtype=torch.bool, device=depths.device)  # (N+1, P)
-    seen = torch.cat([prefix, tree_mask], 1)  # (N+1, P+N+1)
+    blocked = torch.finfo(dtype).min
+    tree_part = torch.zeros(tree_mask.shape, dtype=dtype, device=depths.device).masked_fill_(~tree_mask, blocked)
+    prefix = torch.zeros(len(depths), prefix_len, dtype=dtype, device=depths.device)  # (N+1, P) all seen
+    full = torch.cat([prefix, tree_part], 1)[None, None]  # (1, 1, N+1, P+N+1)
     masks = {}
     for kind, window in windows.items():
-        allowed = seen if window is None else seen & (positions[:, None] - keys[None, :] < window)  # (N+1, P+N+1)
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=depths.device)
-        masks[kind] = mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]  # (1, 1, N+1, P+N+1)
+        if window is None:
+            masks[kind] = full
+            continue
+        positions = prefix_len + depths  # (N+1,)
+        keys = torch.cat([torch.arange(prefix_len, device=depths.device), positions])  # (P+N+1,) every key's position
+        masks[kind] = full.masked_fill(positions[:, None] - keys[None, :] >= window, blocked)  # out of the window
     return masks if len(masks) > 1 else masks[next(iter(masks))]
 
 

@@ -70,6 +70,8 @@ class Decoder:
         eos = base_model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.top_k = int(self.tree.ranks.max()) + 1 if self.tree.size > 1 else 1
+        self.lm_head = base_model.get_output_embeddings()
+        self.depth = int(self.tree.depths.max())
         self.windows = attention_windows(base_model.config)
         self.context = getattr(base_model.config.get_text_config(decoder=True), "max_position_embeddings", None)
         self.softcap = getattr(base_model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
@@ -93,14 +95,14 @@ class Decoder:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The base model's next-token logits (..., V) from its last hidden states (..., H)."""
-        logits = self.base_model.get_output_embeddings()(hidden)
+        logits = self.lm_head(hidden)
         if self.softcap:  # Gemma-2's final soft cap, as the model's own forward applies it
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
     def _tree_within(self, depth: int) -> Tree:
-        """The tree without nodes deeper than `depth`, on the model's device (built once per depth)."""
-        depth = min(depth, int(self.tree.depths.max()))
+        """The tree without nodes deeper than `depth` (at most the tree's own depth), on the model's device (built
+        once per depth)."""
         if depth not in self._trees:
             self._trees[depth] = self.tree.within(depth).to(self.base_model.device)
         return self._trees[depth]
@@ -145,12 +147,11 @@ class Decoder:
         yield [root]
         while True:
             with record_function("mtp.candidates"):  # the heads' guesses laid out on the tree
-                tree = self._tree_within(max_length - 2 - prefix_len)  # the root sits at prefix_len
+                depth = min(max_length - 2 - prefix_len, self.depth)  # the root sits at prefix_len
+                tree = self._tree_within(depth)  # every prefix of a path is a path: the cut tree is `depth` deep
                 tokens = torch.tensor([root], device=device)  # (1,) root only
                 if tree.size > 1:
-                    depth = int(tree.depths[-1])  # nodes are breadth-first: the last is the deepest
-                    lm_head = self.base_model.get_output_embeddings()
-                    guesses = self.heads.guesses(last_hidden, lm_head, depth, self.top_k)  # (D, top_k) token ids
+                    guesses = self.heads.guesses(last_hidden, self.lm_head, depth, self.top_k)  # (D, top_k) ids
                     tokens = torch.cat([tokens, guesses[tree.depths[1:] - 1, tree.ranks[1:]]])  # (N+1,)
                 mask = tree_attention_mask(tree.mask, tree.depths, prefix_len, self.windows, hidden.dtype)
             with record_function("mtp.verify"):  # one forward pass of the base model over the whole tree

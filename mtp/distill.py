@@ -147,13 +147,14 @@ def continuous_batching(model, prompts: list[tuple[int, list[int]]], distill: Di
     positions, last = torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)  # (B,) next position, token
     generators = {}  # prompt index -> its own seeded generator, so a sample does not depend on its batch
 
-    def choose(logits: torch.Tensor, index: int) -> int:  # logits (V,)
+    def choose(logits: torch.Tensor, indices: list[int]) -> list[int]:  # logits (n, V): the rows' next tokens
         if distill.temperature == 0:
-            return int(logits.argmax())
-        if index not in generators:
-            generators[index] = torch.Generator().manual_seed(distill.seed + index)
-        probs = (logits.float() / distill.temperature).softmax(-1)
-        return int(torch.multinomial(probs, 1, generator=generators[index]))
+            return logits.argmax(-1).tolist()
+        probs = (logits.float() / distill.temperature).softmax(-1)  # (n, V)
+        for index in indices:
+            if index not in generators:
+                generators[index] = torch.Generator().manual_seed(distill.seed + index)
+        return [int(torch.multinomial(p, 1, generator=generators[i])) for p, i in zip(probs, indices, strict=True)]
 
     def settle(row: int, token: int):  # the row's next token: kept, or the end of its answer
         index, answer = rows[row]
@@ -177,7 +178,7 @@ def continuous_batching(model, prompts: list[tuple[int, list[int]]], distill: Di
             ids = torch.tensor([[0] * (width - len(ids)) + ids for _, ids in new])  # (n, W)
             fresh = DynamicCache()
             logits = model(input_ids=ids, attention_mask=mask.long(), position_ids=(mask.cumsum(1) - 1).clamp(min=0),
-                           cache=fresh, use_cache=True).logits[:, -1]  # (n, V)  # fmt: skip
+                           cache=fresh, use_cache=True, logits_to_keep=1).logits[:, -1]  # (n, V)  # fmt: skip
             if cache is None:  # the first prompts: their cache is the batch's
                 cache, seen, rows = fresh, mask, [None] * len(new)
                 positions, last, slots = mask.sum(1), torch.zeros(len(new), dtype=torch.long), list(range(len(new)))
@@ -193,9 +194,10 @@ def continuous_batching(model, prompts: list[tuple[int, list[int]]], distill: Di
                             setattr(layer, name, states)
                         states[slots, :, states.shape[2] - width :] = getattr(added, name)
                 positions[slots] = mask.sum(1)
-            for row, (index, _), row_logits in zip(slots, new, logits, strict=True):
+            indices = [index for index, _ in new]
+            for row, index, token in zip(slots, indices, choose(logits, indices), strict=True):
                 rows[row] = (index, [])
-                finished.append(settle(row, choose(row_logits, index)))
+                finished.append(settle(row, token))
         else:
             active = [row for row, state in enumerate(rows) if state is not None]
             if not active:
@@ -208,8 +210,8 @@ def continuous_batching(model, prompts: list[tuple[int, list[int]]], distill: Di
             logits = model(input_ids=last[:, None], attention_mask=seen.long(), position_ids=positions[:, None],
                            cache=cache, use_cache=True).logits[:, -1]  # (B, V)  # fmt: skip
             positions += 1
-            for row in range(len(rows)):
-                finished.append(settle(row, choose(logits[row], rows[row][0])))
+            for row, token in enumerate(choose(logits, [index for index, _ in rows])):
+                finished.append(settle(row, token))
             unused = int(seen.any(0).int().argmax())  # leading columns that no row sees any more
             if unused:
                 seen = seen[:, unused:]

@@ -103,7 +103,7 @@ class MedusaHeads(nn.Module):
             base_lm_head: the base model's output projection, used when `lm_head == "shared"`.
             num_heads: compute only heads 0..num_heads-1 (a tree of depth d needs the first d).
         """
-        states = torch.stack([blocks(hidden) for blocks in self.blocks[:num_heads]])  # (K, ..., H)
+        states = self._states(hidden, num_heads)  # (K, ..., H)
         if self.projections is None:  # one pass over the shared weight for all heads, not one per head
             return base_lm_head(states)  # (K, ..., V)
         return torch.stack([projection(state) for projection, state in zip(self.projections, states, strict=False)])
@@ -113,10 +113,14 @@ class MedusaHeads(nn.Module):
         hidden (H,) -> (D, k)."""
         if self.config.draft_vocab is None:
             return self(hidden, base_lm_head, num_heads).topk(k, dim=-1).indices  # (D, k)
-        states = torch.stack([blocks(hidden) for blocks in self.blocks[:num_heads]])  # (D, H)
+        states = self._states(hidden, num_heads)  # (D, H)
         ids, weights = self._draft_rows(base_lm_head)  # (N,), (K or 1, N, H)
         logits = torch.bmm(weights[:num_heads].expand(num_heads, -1, -1), states[:, :, None])[..., 0]  # (D, N)
         return ids[logits.topk(k, dim=-1).indices]  # (D, k)
+
+    def _states(self, hidden: torch.Tensor, num_heads: int | None) -> torch.Tensor:
+        """The first `num_heads` heads' residual blocks over hidden (..., H) -> (K, ..., H)."""
+        return torch.stack([blocks(hidden) for blocks in self.blocks[:num_heads]])
 
     def _draft_rows(self, base_lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft vocabulary's ids (N,) and its rows of the projections (K or 1, N, H), gathered once per
