@@ -113,10 +113,16 @@ class MedusaHeads(nn.Module):
         hidden (H,) -> (D, k)."""
         if self.config.draft_vocab is None:
             return self(hidden, base_lm_head, num_heads).topk(k, dim=-1).indices  # (D, k)
-        states = self._states(hidden, num_heads)  # (D, H)
-        ids, weights = self._draft_rows(base_lm_head)  # (N,), (K or 1, N, H)
-        logits = torch.bmm(weights[:num_heads].expand(num_heads, -1, -1), states[:, :, None])[..., 0]  # (D, N)
-        return ids[logits.topk(k, dim=-1).indices]  # (D, k)
+        ids, _ = self._draft_rows(base_lm_head)  # (N,)
+        return ids[self.draft_logits(hidden, base_lm_head, num_heads).topk(k, dim=-1).indices]  # (D, k)
+
+    def draft_logits(self, hidden: torch.Tensor, base_lm_head: nn.Module, num_heads: int | None = None) -> torch.Tensor:
+        """Logits over the draft vocabulary only (column n: token `draft_vocab[n]`): hidden (..., H) -> (K, ..., N)."""
+        states = self._states(hidden, num_heads)  # (K, ..., H)
+        _, weights = self._draft_rows(base_lm_head)  # (K or 1, N, H)
+        flat = states.flatten(1, -2) if states.dim() > 2 else states[:, None]  # (K, M, H)
+        logits = flat @ weights[: len(states)].mT  # (K, M, N): the shared rows broadcast over the heads
+        return logits.view(*states.shape[:-1], -1)  # (K, ..., N)
 
     def _states(self, hidden: torch.Tensor, num_heads: int | None) -> torch.Tensor:
         """The first `num_heads` heads' residual blocks over hidden (..., H) -> (K, ..., H)."""
@@ -124,12 +130,15 @@ class MedusaHeads(nn.Module):
 
     def _draft_rows(self, base_lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft vocabulary's ids (N,) and its rows of the projections (K or 1, N, H), gathered once per
-        projection weights (the gather copies N x H floats: too much to repeat every step)."""
+        draft vocabulary and projection weights (the gather copies N x H floats: too much to repeat every step)."""
         sources = [base_lm_head.weight] if self.projections is None else [p.weight for p in self.projections]
-        key = [(w.data_ptr(), w._version, w.device, w.dtype) for w in sources]
-        if getattr(self, "_draft_key", None) != key:
+        # the draft list itself is in the key (compared by identity first, then by value): a new list is new rows
+        key = [self.config.draft_vocab, *((w.data_ptr(), w._version, w.device, w.dtype) for w in sources)]
+        # training own projections: a fresh gather every time, inside the autograd graph
+        trainable = torch.is_grad_enabled() and any(w.requires_grad for w in sources)
+        if trainable or getattr(self, "_draft_key", None) != key:
             ids = torch.tensor(self.config.draft_vocab, device=sources[0].device)  # (N,)
-            self._draft_key, self._draft = key, (ids, torch.stack([w[ids] for w in sources]))
+            self._draft_key, self._draft = None if trainable else key, (ids, torch.stack([w[ids] for w in sources]))
         return self._draft
 
     def check_base(self, name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:

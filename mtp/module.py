@@ -37,6 +37,13 @@ class RankAccuracy(Metric):
         return self.hits / self.positions.clamp(min=1).unsqueeze(-1)  # (K, RANKS)
 
 
+def draft_columns(targets: torch.Tensor, draft_vocab: list[int], vocab_size: int) -> torch.Tensor:
+    """Each target token's column among the draft vocabulary's logits; IGNORE where it is IGNORE or outside."""
+    columns = targets.new_full((vocab_size,), IGNORE)  # (V,)
+    columns[draft_vocab] = torch.arange(len(draft_vocab), device=targets.device)
+    return columns[targets.clamp(min=0)].masked_fill(targets == IGNORE, IGNORE)  # targets' shape
+
+
 class HeadsModule(L.LightningModule):
     def __init__(
         self,
@@ -67,9 +74,9 @@ class HeadsModule(L.LightningModule):
             cache_hidden: keep the base model's hidden states of each example (in CPU memory, 4 x hidden size
                 bytes per token in float32) after its first pass, so that later epochs run the heads alone.
                 On the default model on a CPU the base forward is about 40% of a training step.
-            draft_vocab: when decoding, the heads guess among the `draft_vocab` most frequent target tokens of
-                the training data only (saved with the heads; a step then projects onto these rows alone);
-                0: the whole vocabulary. Training always scores the whole vocabulary.
+            draft_vocab: the heads guess among the `draft_vocab` most frequent target tokens of the training data
+                only (saved with the heads): training and decoding project onto these rows of the lm_head alone,
+                and a target outside them is a miss; 0: the whole vocabulary.
         """
         super().__init__()
         self.save_hyperparameters()
@@ -124,13 +131,19 @@ class HeadsModule(L.LightningModule):
         targets = head_targets(batch["input_ids"], batch["loss_mask"], len(self.weights))  # (K, B, T)
         keep = (targets != IGNORE).any(0)  # (B, T): positions where some head has a target
         targets = targets[:, keep]  # (K, N)
-        logits = self.heads(hidden[keep], self.base_model.get_output_embeddings())  # (K, N, V)
-        loss, per_head = heads_loss(logits, targets, self.weights)
+        lm_head = self.base_model.get_output_embeddings()
+        if self.heads.config.draft_vocab is None:
+            logits, scored = self.heads(hidden[keep], lm_head), targets  # (K, N, V), (K, N)
+        else:  # the heads learn to rank the draft tokens only, as they will when decoding
+            logits = self.heads.draft_logits(hidden[keep], lm_head)  # (K, N, D)
+            scored = draft_columns(targets, self.heads.config.draft_vocab, self.heads.config.vocab_size)  # (K, N)
+        loss, per_head = heads_loss(logits, scored, self.weights)
         batch_size = batch["input_ids"].shape[0]
         self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=batch_size, sync_dist=stage == "val")
         # hits[k, n, r]: head k's rank-r guess at position n is the target (MulticlassAccuracy over a
-        # 49k-class vocabulary is orders of magnitude slower than this)
-        hits = logits.detach().topk(RANKS, dim=-1).indices == targets.unsqueeze(-1)  # (K, N, RANKS)
+        # 49k-class vocabulary is orders of magnitude slower than this); a target outside the draft vocabulary
+        # is scored IGNORE, matches no column and counts as a miss
+        hits = logits.detach().topk(RANKS, dim=-1).indices == scored.unsqueeze(-1)  # (K, N, RANKS)
         if stage == "val":
             self.rank_accuracy.update(hits, targets != IGNORE)
         for k in range(len(self.weights)):

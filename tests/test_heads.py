@@ -65,6 +65,25 @@ def test_guesses_from_a_draft_vocabulary_are_its_best_tokens_by_the_full_logits(
     assert torch.equal(heads.guesses(hidden, lm_head_module, num_heads=2, k=5), full.topk(5, dim=-1).indices)
 
 
+@pytest.mark.parametrize("lm_head", ["shared", "own"])
+def test_draft_logits_are_the_full_logits_draft_columns_for_a_new_list_and_carry_gradients_to_own_projections(
+    tiny, config, lm_head
+):
+    model, heads = random_heads(tiny, config, lm_head)
+    hidden, lm_head_module = torch.randn(2, 5, config.hidden_size), model.get_output_embeddings()
+    full = heads(hidden, lm_head_module)  # (3, 2, 5, V)
+    with torch.no_grad():  # decoding: the rows are gathered once and kept
+        for size in (40, 60):  # a second list on the same heads: the cached rows of the first must not serve it
+            heads.config.draft_vocab = torch.randperm(config.vocab_size)[:size].tolist()
+            draft = heads.draft_logits(hidden, lm_head_module)  # (3, 2, 5, size)
+            torch.testing.assert_close(draft, full[..., heads.config.draft_vocab])
+    draft = heads.draft_logits(hidden, lm_head_module)  # training: in the autograd graph
+    torch.testing.assert_close(draft, full[..., heads.config.draft_vocab])
+    draft.sum().backward()
+    trained = [heads.blocks[0][0].linear.weight] + ([] if lm_head == "shared" else [heads.projections[0].weight])
+    assert all(parameter.grad is not None and parameter.grad.abs().sum() > 0 for parameter in trained)
+
+
 def test_every_layer_of_every_head_is_its_own_module(config):
     heads = MedusaHeads(config)
     blocks = [block for head in heads.blocks for block in head]

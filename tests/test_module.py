@@ -160,18 +160,24 @@ def test_cached_hidden_states_train_the_same_heads_without_running_the_base_agai
         torch.testing.assert_close(cached[name], tensor, rtol=1e-5, atol=1e-6)
 
 
-def hand_loss(module: HeadsModule, examples, weights: list[float]) -> torch.Tensor:
+def hand_loss(module: HeadsModule, examples, weights: list[float], draft: list[int] | None = None) -> torch.Tensor:
     """The module's loss computed by hand, one unpadded example at a time: head k at position t against token
-    t+k+2, wherever that token is in the example's loss mask; per head the mean over the batch, then weighted."""
+    t+k+2, wherever that token is in the example's loss mask; per head the mean over the batch, then weighted.
+    With a draft vocabulary, the softmax runs over its tokens only and a target outside it is left out."""
     sums, counts = [0.0] * len(weights), [0] * len(weights)
     for ids, mask, _ in examples:
         hidden = module.base_model.get_decoder()(input_ids=ids[None]).last_hidden_state[0]  # (T, H)
         logits = module.heads(hidden, module.base_model.get_output_embeddings())  # (K, T, V)
         for k in range(len(weights)):
             for t in range(len(ids) - k - 2):
-                if mask[t + k + 2]:
+                target = int(ids[t + k + 2])
+                if not mask[t + k + 2] or (draft is not None and target not in draft):
+                    continue
+                if draft is None:
                     sums[k] += F.cross_entropy(logits[k, t], ids[t + k + 2])
-                    counts[k] += 1
+                else:
+                    sums[k] += F.cross_entropy(logits[k, t, draft], torch.tensor(draft.index(target)))
+                counts[k] += 1
     return sum(weight * total / count for weight, total, count in zip(weights, sums, counts, strict=True))
 
 
@@ -189,6 +195,33 @@ def test_the_training_loss_is_the_hand_computed_one_on_assistant_tokens_at_t_plu
     examples = [(*encode(tokenizer, to_example(row), 512), i) for i, row in enumerate(read_rows(TINY_CHAT)[:3])]
     assert not any(mask.all() for _, mask, _ in examples)  # user tokens: attended, never targets
     torch.testing.assert_close(module.training_step(collate(examples), 0), hand_loss(module, examples, weights))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("lm_head", ["shared", "own"])
+def test_with_a_draft_vocabulary_the_loss_ranks_its_tokens_only_and_a_target_outside_it_is_a_miss(lm_head):
+    module = HeadsModule(TINY_BASE, num_heads=2, lm_head=lm_head)
+    torch.manual_seed(0)
+    for parameter in module.heads.parameters():
+        torch.nn.init.normal_(parameter, std=0.3)
+    tokenizer = load_tokenizer(TINY_BASE)
+    examples = [(*encode(tokenizer, to_example(row), 512), i) for i, row in enumerate(read_rows(TINY_CHAT)[:3])]
+    targets = sorted({int(token) for ids, mask, _ in examples for token in ids[mask]})
+    draft = targets[::2] + [module.heads.config.vocab_size - 1]  # half the targets, and a token that is none
+    module.heads.config.draft_vocab = draft
+    expected = hand_loss(module, examples, [1.0, 0.8], draft)
+    torch.testing.assert_close(module.training_step(collate(examples), 0), expected)
+
+    module.validation_step(collate(examples), 0)
+    hits = positions = 0  # head 0's top-1 accuracy by hand: a target outside the draft vocabulary is a miss
+    for ids, mask, _ in examples:
+        hidden = module.base_model.get_decoder()(input_ids=ids[None]).last_hidden_state[0]  # (T, H)
+        best = module.heads(hidden, module.base_model.get_output_embeddings())[0][:, draft].argmax(-1)  # (T,)
+        for t in range(len(ids) - 2):
+            if mask[t + 2]:
+                hits, positions = hits + (draft[best[t]] == ids[t + 2]), positions + 1
+    assert module.rank_accuracy.compute()[0, 0] == pytest.approx(hits / positions)
+    assert module.rank_accuracy.positions[0] == positions
 
 
 class LearningRates(Callback):
