@@ -1,5 +1,6 @@
 """Chat and text datasets -> token ids with a loss mask, length-bucketed batches, and the LightningDataModule."""
 
+import json
 import random
 import warnings
 from collections import Counter
@@ -43,6 +44,14 @@ def encode(tokenizer: PreTrainedTokenizerBase, example: list[dict] | str, max_le
     if not any(mask):
         return "no assistant token within max_length"
     return torch.tensor(encoded.input_ids), torch.tensor(mask)
+
+
+def prompt_of(example: list[dict] | str) -> str:
+    """What an example answers: its messages before the first assistant turn (a text is its own prompt)."""
+    if isinstance(example, str):
+        return example
+    first = next(i for i, message in enumerate(example) if message["role"] == "assistant")
+    return json.dumps(example[:first])
 
 
 def collate(examples: list[tuple[torch.Tensor, torch.Tensor, int]], pad_id: int = 0) -> dict[str, torch.Tensor]:
@@ -114,7 +123,7 @@ class HeadsDataModule(L.LightningDataModule):
         tokenizer = load_tokenizer(self.base_model)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         rows = read_rows(self.data, self.split)
-        examples, skipped = [], Counter()
+        examples, prompts, skipped = [], [], Counter()
         for row in rows:
             example = to_example(row)
             encoded = f"not {FORMATS}" if example is None else encode(tokenizer, example, self.max_length)
@@ -122,16 +131,24 @@ class HeadsDataModule(L.LightningDataModule):
                 skipped[encoded] += 1
             else:
                 examples.append(encoded)
+                prompts.append(prompt_of(example))
         if not examples:
             raise ValueError(f"No usable row in {self.data!r} ({len(rows)} rows; skipped: {dict(skipped)}).")
         if skipped:
             warnings.warn(
                 f"Skipped {sum(skipped.values())} of {len(rows)} rows of {self.data!r}: {dict(skipped)}", stacklevel=2
             )
-        random.Random(self.seed).shuffle(examples)
-        examples = [(ids, mask, index) for index, (ids, mask) in enumerate(examples)]  # index: the example's id
-        num_val = max(round(self.val_fraction * len(examples)), 1) if self.val_fraction > 0 and len(examples) > 1 else 0
-        self.val_examples, self.train_examples = examples[:num_val], examples[num_val:]
+        order = list(range(len(examples)))
+        random.Random(self.seed).shuffle(order)
+        examples = [(*examples[i], index) for index, i in enumerate(order)]  # index: the example's id
+        prompts = [prompts[i] for i in order]
+        # Whole prompts are held out: a second answer to a validation prompt (a sampled one beside the greedy
+        # one) must not be trained on.
+        distinct = list(dict.fromkeys(prompts))  # in the shuffled order
+        num_val = max(round(self.val_fraction * len(distinct)), 1) if self.val_fraction > 0 and len(distinct) > 1 else 0
+        held_out = set(distinct[:num_val])
+        self.val_examples = [example for example, prompt in zip(examples, prompts, strict=True) if prompt in held_out]
+        self.train_examples = [ex for ex, prompt in zip(examples, prompts, strict=True) if prompt not in held_out]
         self.train_batches = self._batches(self.train_examples)
         self.val_batches = self._batches(self.val_examples)
 

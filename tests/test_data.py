@@ -74,7 +74,8 @@ def test_bucketing_covers_every_example_once_and_cuts_padding():
 
 
 def test_datamodule_skips_and_counts_rows_without_an_answer(tmp_path):
-    rows = [{"messages": CHAT}] * 6 + [{"messages": CHAT[:1]}, {"question": "not a known format"}]
+    rows = [{"messages": [{"role": "user", "content": f"Name colour {i}."}, CHAT[1]]} for i in range(6)]
+    rows += [{"messages": CHAT[:1]}, {"question": "not a known format"}]
     data = HeadsDataModule(write_jsonl(tmp_path / "chat.jsonl", rows), TINY_BASE, batch_size=2, val_fraction=0.2)
     with pytest.warns(UserWarning, match=r"Skipped 2 of 8 rows.*'no assistant turn': 1.*not ShareGPT.*: 1"):
         data.setup("fit")
@@ -82,6 +83,27 @@ def test_datamodule_skips_and_counts_rows_without_an_answer(tmp_path):
     batches = list(data.train_dataloader())  # 5 examples in batches of 2, 2 and 1, in a random order
     assert sorted(len(batch["input_ids"]) for batch in batches) == [1, 2, 2]
     assert all(batch["loss_mask"].any() for batch in batches)
+
+
+def test_every_answer_to_a_held_out_prompt_is_held_out(tmp_path):
+    """Two answers to one prompt (a greedy and a sampled one) land on the same side of the split: validation
+    measures prompts the heads never saw, not a second answer to a training prompt."""
+    rows = [
+        {"messages": [{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": answer}]}
+        for i in range(20)
+        for answer in (f"Answer {i}.", f"Another answer {i}.")
+    ]
+    data = HeadsDataModule(write_jsonl(tmp_path / "two.jsonl", rows), TINY_BASE, val_fraction=0.25)
+    data.setup("fit")
+    tokenizer = load_tokenizer(TINY_BASE)
+
+    def questions(examples):  # the question each example answers, read back from its tokens
+        texts = [tokenizer.decode(ids) for ids, _, _ in examples]
+        return [next(f"Question {i}?" for i in range(20) if f"Question {i}?" in text) for text in texts]
+
+    val, train = questions(data.val_examples), questions(data.train_examples)
+    assert len(val) == 10 and len(train) == 30 and not set(val) & set(train)
+    assert all(val.count(question) == 2 for question in val)  # both answers of each held-out prompt
 
 
 def test_all_rows_bad_is_an_error(tmp_path):
