@@ -4,7 +4,7 @@ import torch
 
 from mtp.base import load_base
 from mtp.decoding import Decoder, GenerationResult
-from mtp.heads import MedusaHeads
+from mtp.heads import Heads
 from mtp.sampling import Sampling
 from mtp.tree import DEFAULT_TREE, Tree, named_tree
 
@@ -29,7 +29,7 @@ def load(
         base_model: load this base instead of the one named in the heads' config (for example a local copy);
             it must be the same model: hidden size, vocabulary and tokenizer are checked.
     """
-    heads = MedusaHeads.from_pretrained(heads_path)
+    heads = Heads.from_pretrained(heads_path)
     name = base_model or heads.config.base_model
     model, tokenizer = load_base(name, device=device, dtype=dtype)
     heads.check_base(name, model, tokenizer)

@@ -10,7 +10,7 @@ from torch.profiler import record_function
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from mtp.cache import attention_windows, keep_accepted, tree_attention_mask
-from mtp.heads import MedusaHeads
+from mtp.heads import Heads
 from mtp.sampling import GREEDY, Sampling, accept_exact, accept_typical, draw
 from mtp.tree import Tree
 
@@ -55,7 +55,7 @@ class Decoder:
         self,
         base_model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
-        heads: MedusaHeads | None = None,
+        heads: Heads | None = None,
         tree: Tree | None = None,
     ):
         if base_model.config._attn_implementation not in ("eager", "sdpa"):
@@ -70,7 +70,7 @@ class Decoder:
         eos = base_model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.top_k = int(self.tree.ranks.max()) + 1 if self.tree.size > 1 else 1
-        self.lm_head = base_model.get_output_embeddings()
+        self.lm_head, self.embed = base_model.get_output_embeddings(), base_model.get_input_embeddings()
         self.depth = int(self.tree.depths.max())
         self.windows = attention_windows(base_model.config)
         self.context = getattr(base_model.config.get_text_config(decoder=True), "max_position_embeddings", None)
@@ -150,9 +150,8 @@ class Decoder:
                 depth = min(max_length - 2 - prefix_len, self.depth)  # the root sits at prefix_len
                 tree = self._tree_within(depth)  # every prefix of a path is a path: the cut tree is `depth` deep
                 tokens = torch.tensor([root], device=device)  # (1,) root only
-                if tree.size > 1:
-                    guesses = self.heads.guesses(last_hidden, self.lm_head, depth, self.top_k)  # (D, top_k) ids
-                    tokens = torch.cat([tokens, guesses[tree.depths[1:] - 1, tree.ranks[1:]]])  # (N+1,)
+                if tree.size > 1:  # (N+1,) the root and the heads' guesses
+                    tokens = self.heads.tree_tokens(last_hidden, tokens, tree, self.lm_head, self.embed, self.top_k)
                 mask = tree_attention_mask(tree.mask, tree.depths, prefix_len, self.windows, hidden.dtype)
             with record_function("mtp.verify"):  # one forward pass of the base model over the whole tree
                 hidden = backbone(

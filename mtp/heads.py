@@ -18,6 +18,9 @@ class HeadsConfig:
 
     num_heads: int = 4
     """Number of heads; head k predicts the token k+2 positions ahead."""
+    head_type: str = "medusa"
+    """`medusa`: head k reads the base model's hidden state at t; `hydra`: also the input embeddings of the tokens
+    t+1 .. t+k+1 (the candidate path when decoding): sequentially dependent heads."""
     num_layers: int = 1
     """Residual blocks per head."""
     lm_head: str = "shared"
@@ -42,6 +45,8 @@ class HeadsConfig:
             raise ValueError(f"num_heads={self.num_heads}: need at least 1 head.")
         if self.num_layers < 1:
             raise ValueError(f"num_layers={self.num_layers}: need at least 1 residual block per head.")
+        if self.head_type not in HEAD_TYPES:
+            raise ValueError(f"head_type={self.head_type!r}: choose one of {sorted(HEAD_TYPES)}.")
         if self.lm_head not in ("shared", "own"):
             raise ValueError(f"lm_head={self.lm_head!r}: choose 'shared' (the base's frozen lm_head) or 'own'.")
 
@@ -73,11 +78,13 @@ class ResidualBlock(nn.Module):
         return x + F.silu(self.linear(x))
 
 
-class MedusaHeads(nn.Module):
-    """`num_heads` stacks of residual blocks, each followed by a vocabulary projection.
+class Heads(nn.Module):
+    """What every kind of head shares: `num_heads` stacks of residual blocks, each followed by a vocabulary
+    projection (the base lm_head, or an own copy per head), a draft vocabulary, and the folder format. A kind
+    says what head k reads (`state`) and how a step's guesses fill the tree (`tree_tokens`).
 
-    A new head predicts exactly what the base lm_head predicts (the blocks start as the identity and an
-    `own` projection starts as a copy of the base lm_head); training moves head k to token t+k+2.
+    New heads predict exactly what the base lm_head predicts (the blocks start as the identity and an `own`
+    projection as a copy of the base lm_head); training moves head k to token t+k+2.
     """
 
     def __init__(self, config: HeadsConfig, lm_head_weight: torch.Tensor | None = None):
@@ -95,38 +102,59 @@ class MedusaHeads(nn.Module):
                 for projection in self.projections:
                     projection.weight.data.copy_(lm_head_weight)
 
-    def forward(self, hidden: torch.Tensor, base_lm_head: nn.Module, num_heads: int | None = None) -> torch.Tensor:
-        """Logits of the first `num_heads` heads (default: all): hidden (..., H) -> (K, ..., V).
+    def state(self, k: int, hidden: torch.Tensor, following: torch.Tensor | None) -> torch.Tensor:
+        """Head k's last hidden state (..., H), before its projection.
 
         Args:
-            hidden: the base model's last hidden states (after its final norm).
-            base_lm_head: the base model's output projection, used when `lm_head == "shared"`.
-            num_heads: compute only heads 0..num_heads-1 (a tree of depth d needs the first d).
+            hidden: the base model's last hidden states at t (after its final norm), (..., H).
+            following: the base model's input embeddings of the tokens t+1, t+2, ... (..., >= k+1, H), read by
+                the kinds of head that see the candidate path (None for the others).
         """
-        states = self._states(hidden, num_heads)  # (K, ..., H)
-        if self.projections is None:  # one pass over the shared weight for all heads, not one per head
-            return base_lm_head(states)  # (K, ..., V)
-        return torch.stack([projection(state) for projection, state in zip(self.projections, states, strict=False)])
+        raise NotImplementedError
 
-    def guesses(self, hidden: torch.Tensor, base_lm_head: nn.Module, num_heads: int, k: int) -> torch.Tensor:
-        """Token ids of the top-k guesses of the first `num_heads` heads, from the draft vocabulary if there is one:
-        hidden (H,) -> (D, k)."""
-        if self.config.draft_vocab is None:
-            return self(hidden, base_lm_head, num_heads).topk(k, dim=-1).indices  # (D, k)
-        ids, _ = self._draft_rows(base_lm_head)  # (N,)
-        return ids[self.draft_logits(hidden, base_lm_head, num_heads).topk(k, dim=-1).indices]  # (D, k)
+    def forward(
+        self, hidden: torch.Tensor, base_lm_head: nn.Module, num_heads: int | None = None, following=None
+    ) -> torch.Tensor:
+        """Logits over the whole vocabulary of the first `num_heads` heads (default: all): hidden (..., H) ->
+        (K, ..., V); `following` as in `state`."""
+        return self._project(self._states(hidden, following, 0, num_heads or self.config.num_heads), base_lm_head)
 
-    def draft_logits(self, hidden: torch.Tensor, base_lm_head: nn.Module, num_heads: int | None = None) -> torch.Tensor:
-        """Logits over the draft vocabulary only (column n: token `draft_vocab[n]`): hidden (..., H) -> (K, ..., N)."""
-        states = self._states(hidden, num_heads)  # (K, ..., H)
+    def draft_logits(
+        self, hidden: torch.Tensor, base_lm_head: nn.Module, num_heads: int | None = None, following=None, first=0
+    ) -> torch.Tensor:
+        """Logits over the draft vocabulary only (column n: token `draft_vocab[n]`) of heads first ..
+        first+num_heads-1 (default: all from first): hidden (..., H) -> (K, ..., N)."""
+        last = self.config.num_heads if num_heads is None else first + num_heads
+        states = self._states(hidden, following, first, last)  # (K, ..., H)
         _, weights = self._draft_rows(base_lm_head)  # (K or 1, N, H)
         flat = states.flatten(1, -2) if states.dim() > 2 else states[:, None]  # (K, M, H)
-        logits = flat @ weights[: len(states)].mT  # (K, M, N): the shared rows broadcast over the heads
-        return logits.view(*states.shape[:-1], -1)  # (K, ..., N)
+        rows = weights if self.projections is None else weights[first:last]  # shared rows broadcast over heads
+        return (flat @ rows.mT).view(*states.shape[:-1], -1)  # (K, ..., N)
 
-    def _states(self, hidden: torch.Tensor, num_heads: int | None) -> torch.Tensor:
-        """The first `num_heads` heads' residual blocks over hidden (..., H) -> (K, ..., H)."""
-        return torch.stack([blocks(hidden) for blocks in self.blocks[:num_heads]])
+    def _states(self, hidden: torch.Tensor, following, first: int, last: int) -> torch.Tensor:
+        """States of heads first .. last-1: (K, ..., H)."""
+        return torch.stack([self.state(k, hidden, following) for k in range(first, last)])
+
+    def _project(self, states: torch.Tensor, base_lm_head: nn.Module, first: int = 0) -> torch.Tensor:
+        """Whole-vocabulary logits of heads first .. first+K-1 from their states: (K, ..., H) -> (K, ..., V)."""
+        if self.projections is None:  # one pass over the shared weight for all heads, not one per head
+            return base_lm_head(states)
+        return torch.stack([self.projections[first + i](state) for i, state in enumerate(states)])
+
+    def _best(self, hidden, base_lm_head, num_heads: int, k: int, following=None, first: int = 0) -> torch.Tensor:
+        """Token ids of the top-k guesses of heads first .. first+num_heads-1, from the draft vocabulary if
+        there is one: hidden (..., H) -> (K, ..., k)."""
+        if self.config.draft_vocab is None:
+            states = self._states(hidden, following, first, first + num_heads)  # (K, ..., H)
+            return self._project(states, base_lm_head, first).topk(k, dim=-1).indices
+        ids, _ = self._draft_rows(base_lm_head)  # (N,)
+        return ids[self.draft_logits(hidden, base_lm_head, num_heads, following, first).topk(k, dim=-1).indices]
+
+    def tree_tokens(self, hidden, root: torch.Tensor, tree, base_lm_head, embed: nn.Module, k: int) -> torch.Tensor:
+        """The token of every node of `tree` (an `mtp.tree.Tree`): the root's, then each node's guess, node
+        (r1, .., rd) being rank rd of head d-1's guesses: hidden (H,) at the root's parent, root (1,) -> (N+1,).
+        `embed` is the base model's input embedding; `k` the highest rank in the tree + 1."""
+        raise NotImplementedError
 
     def _draft_rows(self, base_lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft vocabulary's ids (N,) and its rows of the projections (K or 1, N, H), gathered once per
@@ -164,8 +192,9 @@ class MedusaHeads(nn.Module):
             Path(folder) / "model.safetensors",
         )
 
-    @classmethod
-    def from_pretrained(cls, folder: str | Path) -> "MedusaHeads":
+    @staticmethod
+    def from_pretrained(folder: str | Path) -> "Heads":
+        """Heads saved by `save_pretrained`, of the kind their config names (`head_type`)."""
         folder = Path(folder)
         for file in ("config.json", "model.safetensors"):
             if not (folder / file).is_file():
@@ -176,6 +205,56 @@ class MedusaHeads(nn.Module):
         unknown = set(raw) - {field.name for field in fields(HeadsConfig)}
         if unknown:
             raise ValueError(f"{folder / 'config.json'} has unknown keys {sorted(unknown)}: not a heads folder?")
-        heads = cls(HeadsConfig(**raw))
+        config = HeadsConfig(**raw)
+        heads = HEAD_TYPES[config.head_type](config)
         heads.load_state_dict(load_file(folder / "model.safetensors"))
         return heads
+
+
+class MedusaHeads(Heads):
+    """Medusa heads: head k reads the base model's hidden state at t alone, blind to the tokens before its
+    target, so one pass of all heads fills the whole tree."""
+
+    def state(self, k: int, hidden: torch.Tensor, following: torch.Tensor | None = None) -> torch.Tensor:
+        return self.blocks[k](hidden)
+
+    def guesses(self, hidden: torch.Tensor, base_lm_head: nn.Module, num_heads: int, k: int) -> torch.Tensor:
+        """Token ids of the top-k guesses of the first `num_heads` heads: hidden (H,) -> (D, k)."""
+        return self._best(hidden, base_lm_head, num_heads, k)
+
+    def tree_tokens(self, hidden, root: torch.Tensor, tree, base_lm_head, embed: nn.Module, k: int) -> torch.Tensor:
+        guesses = self.guesses(hidden, base_lm_head, len(tree.levels), k)  # (D, k): only the heads the tree reaches
+        return torch.cat([root, guesses[tree.depths[1:] - 1, tree.ranks[1:]]])  # (N+1,)
+
+
+class HydraHeads(Heads):
+    """Sequentially dependent heads (Hydra, Ankner et al. 2024): head k reads the hidden state at t and the base
+    model's input embeddings of the tokens t+1 .. t+k+1 (the true ones in training, the candidate path when
+    decoding), mixed by a linear layer that starts as "hidden state only", then residual blocks. A step fills
+    the tree level by level: head d-1 runs once over every node of depth d-1 that has children."""
+
+    def __init__(self, config: HeadsConfig, lm_head_weight: torch.Tensor | None = None):
+        super().__init__(config, lm_head_weight)
+        hidden = config.hidden_size
+        self.inputs = nn.ModuleList(nn.Linear((k + 2) * hidden, hidden) for k in range(config.num_heads))
+        for layer in self.inputs:  # [I 0 .. 0]: a new head reads the hidden state alone, as a Medusa head does
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+            layer.weight.data[:, :hidden] = torch.eye(hidden)
+
+    def state(self, k: int, hidden: torch.Tensor, following: torch.Tensor | None) -> torch.Tensor:
+        if following is None or following.shape[-2] < k + 1:
+            raise ValueError(f"Hydra head {k} reads the embeddings of the {k + 1} tokens after t: pass `following`.")
+        path = following[..., : k + 1, :].flatten(-2)  # (..., (k+1) H)
+        return self.blocks[k](self.inputs[k](torch.cat([hidden.expand(*path.shape[:-1], -1), path], -1)))
+
+    def tree_tokens(self, hidden, root: torch.Tensor, tree, base_lm_head, embed: nn.Module, k: int) -> torch.Tensor:
+        tokens = torch.cat([root, root.new_zeros(tree.size - 1)])  # (N+1,) filled level by level
+        for depth, (nodes, rows, paths) in enumerate(tree.levels, 1):
+            following = embed(tokens[paths])  # (P, depth, H): each parent's path, root first
+            best = self._best(hidden, base_lm_head, 1, k, following, first=depth - 1)[0]  # (P, k)
+            tokens[nodes] = best[rows, tree.ranks[nodes]]
+        return tokens
+
+
+HEAD_TYPES = {"medusa": MedusaHeads, "hydra": HydraHeads}

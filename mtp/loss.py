@@ -32,23 +32,44 @@ def head_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, num_heads: in
     return targets
 
 
+def following_tokens(input_ids: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """(B, T) -> (B, T, K): [b, t, j] is token t+1+j (0 past the end), what head j-1 and later ones read at t."""
+    length = input_ids.shape[1]
+    padded = F.pad(input_ids, (0, num_heads))  # (B, T+K)
+    return torch.stack([padded[:, 1 + j : 1 + j + length] for j in range(num_heads)], -1)  # (B, T, K)
+
+
+def shifted(hidden: torch.Tensor, offset: int) -> torch.Tensor:
+    """(B, T, H) -> (B, T, H): [b, t] is hidden[b, t+offset] (zeros past the end)."""
+    return F.pad(hidden, (0, 0, 0, offset))[:, offset:]
+
+
 def default_weights(num_heads: int, decay: float = 0.8) -> list[float]:
     """Default weight of head k: decay**k (later heads are less accurate and matter less for acceptance)."""
     return [decay**k for k in range(num_heads)]
 
 
-def heads_loss(logits: torch.Tensor, targets: torch.Tensor, weights: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+def heads_loss(
+    logits: torch.Tensor, targets: torch.Tensor, weights: list[float], teacher: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted sum over heads of the mean cross-entropy over each head's unmasked targets.
 
     Args:
         logits: (K, N, V) head logits at N positions.
         targets: (K, N) targets, IGNORE where masked.
         weights: K weights.
+        teacher: (K, N, V) logits of the distribution to learn instead of the target tokens (soft
+            cross-entropy), at the same unmasked positions.
 
     Returns:
         (total loss, (K,) per-head losses); a head with no target in the batch contributes 0.
     """
-    per_head = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="none")
+    flat = logits.flatten(0, 1).float()  # (K N, V)
+    if teacher is None:
+        per_head = F.cross_entropy(flat, targets.flatten(), ignore_index=IGNORE, reduction="none")
+    else:
+        soft = teacher.flatten(0, 1).float().softmax(-1)  # (K N, V)
+        per_head = F.cross_entropy(flat, soft, reduction="none").masked_fill(targets.flatten() == IGNORE, 0.0)
     per_head = per_head.view(targets.shape)  # (K, N)
     counts = (targets != IGNORE).sum(1)  # (K,)
     per_head = per_head.sum(1) / counts.clamp(min=1)  # (K,)

@@ -11,8 +11,8 @@ from torch import nn
 from torchmetrics import MeanMetric, Metric
 
 from mtp.base import DEFAULT_BASE, load_base
-from mtp.heads import HeadsConfig, MedusaHeads, base_identity
-from mtp.loss import IGNORE, default_weights, head_targets, heads_loss
+from mtp.heads import HEAD_TYPES, HeadsConfig, base_identity
+from mtp.loss import IGNORE, default_weights, following_tokens, head_targets, heads_loss, shifted
 
 TOP_K = (1, 5)
 RANKS = 10  # calibration: how often each head's rank-r guess is right, r < RANKS
@@ -58,6 +58,8 @@ class HeadsModule(L.LightningModule):
         warmup_steps: int = 50,
         cache_hidden: bool = False,
         draft_vocab: int = 0,
+        head_type: str = "medusa",
+        teacher: bool = False,
     ):
         """Medusa-style heads trained by teacher forcing on a frozen base model.
 
@@ -77,6 +79,10 @@ class HeadsModule(L.LightningModule):
             draft_vocab: the heads guess among the `draft_vocab` most frequent target tokens of the training data
                 only (saved with the heads): training and decoding project onto these rows of the lm_head alone,
                 and a target outside them is a miss; 0: the whole vocabulary.
+            head_type: `medusa` (head k reads the hidden state at t) or `hydra` (also the base model's input
+                embeddings of the true tokens t+1 .. t+k+1, by teacher forcing; the candidate path when decoding).
+            teacher: learn the base model's distribution for token t+k+2 (its own prediction at t+k+1, over the
+                draft vocabulary if there is one; soft cross-entropy) instead of the token itself.
         """
         super().__init__()
         self.save_hyperparameters()
@@ -89,8 +95,11 @@ class HeadsModule(L.LightningModule):
         self.base_model, tokenizer = load_base(base_model)
         self.base_model.requires_grad_(False)
         lm_head_weight = self.base_model.get_output_embeddings().weight
-        config = HeadsConfig(num_heads, num_layers, lm_head, **base_identity(base_model, self.base_model, tokenizer))
-        self.heads = MedusaHeads(config, lm_head_weight.detach())
+        identity = base_identity(base_model, self.base_model, tokenizer)
+        config = HeadsConfig(
+            num_heads=num_heads, num_layers=num_layers, lm_head=lm_head, head_type=head_type, **identity
+        )
+        self.heads = HEAD_TYPES[config.head_type](config, lm_head_weight.detach())
         self.hidden_cache: dict[int, torch.Tensor] = {}  # example index -> (T, H), when cache_hidden
         self.strict_loading = False  # checkpoints hold the heads only; the base comes from base_model
         self.metrics = nn.ModuleDict(
@@ -131,13 +140,22 @@ class HeadsModule(L.LightningModule):
         targets = head_targets(batch["input_ids"], batch["loss_mask"], len(self.weights))  # (K, B, T)
         keep = (targets != IGNORE).any(0)  # (B, T): positions where some head has a target
         targets = targets[:, keep]  # (K, N)
-        lm_head = self.base_model.get_output_embeddings()
-        if self.heads.config.draft_vocab is None:
-            logits, scored = self.heads(hidden[keep], lm_head), targets  # (K, N, V), (K, N)
+        lm_head, num_heads = self.base_model.get_output_embeddings(), len(self.weights)
+        following = None  # (N, K, H) the input embeddings of the true tokens t+1 .. t+K, for heads that read them
+        if self.heads.config.head_type == "hydra":
+            following = self.base_model.get_input_embeddings()(following_tokens(batch["input_ids"], num_heads)[keep])
+        draft = self.heads.config.draft_vocab
+        if draft is None:
+            logits, scored = self.heads(hidden[keep], lm_head, following=following), targets  # (K, N, V), (K, N)
         else:  # the heads learn to rank the draft tokens only, as they will when decoding
-            logits = self.heads.draft_logits(hidden[keep], lm_head)  # (K, N, D)
-            scored = draft_columns(targets, self.heads.config.draft_vocab, self.heads.config.vocab_size)  # (K, N)
-        loss, per_head = heads_loss(logits, scored, self.weights)
+            logits = self.heads.draft_logits(hidden[keep], lm_head, following=following)  # (K, N, D)
+            scored = draft_columns(targets, draft, self.heads.config.vocab_size)  # (K, N)
+        teacher = None
+        if self.hparams.teacher:  # head k's target: the base model's own prediction at t+k+1, for token t+k+2
+            before = torch.stack([shifted(hidden, k + 1)[keep] for k in range(num_heads)])  # (K, N, H)
+            rows = lm_head.weight if draft is None else lm_head.weight[torch.tensor(draft, device=hidden.device)]
+            teacher = before @ rows.T  # (K, N, V or D)
+        loss, per_head = heads_loss(logits, targets if teacher is not None else scored, self.weights, teacher)
         batch_size = batch["input_ids"].shape[0]
         self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=batch_size, sync_dist=stage == "val")
         # hits[k, n, r]: head k's rank-r guess at position n is the target (MulticlassAccuracy over a

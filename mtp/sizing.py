@@ -21,7 +21,7 @@ import torch
 from mtp.base import cache_dir, load_base
 from mtp.cli import user_errors
 from mtp.decoding import Decoder
-from mtp.heads import MedusaHeads
+from mtp.heads import Heads
 from mtp.tree import Path, Tree, grow_tree
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # tree sizes (root included) timed on the device
@@ -33,7 +33,7 @@ def device_name(device: str) -> str:
     return f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
 
 
-def measure_steps(model, tokenizer, heads: MedusaHeads, paths: list[Path], context: int, steps: int = 4,
+def measure_steps(model, tokenizer, heads: Heads, paths: list[Path], context: int, steps: int = 4,
                   rounds: int = 3) -> list[float]:  # fmt: skip
     """Seconds per decoding step for each size in SIZES that `paths` can fill, after a prompt of `context`
     random tokens; size 1 is plain decoding, without heads. Sizes are timed in turn, `rounds` times over
@@ -77,7 +77,7 @@ def expected_speedups(heads_path: str, device: str = "cpu", dtype: torch.dtype =
                       context: int = 256, remeasure: bool = False) -> dict:  # fmt: skip
     """Per tree size 1..max_nodes: expected tau, step seconds on this device (timed once, then cached in
     `$MTP_CACHE/step_seconds.json`) and expected speedup; `chosen` is the size with the highest speedup."""
-    heads = MedusaHeads.from_pretrained(heads_path)
+    heads = Heads.from_pretrained(heads_path)
     if heads.config.calibration is None:
         raise ValueError(
             f"{heads_path} has no calibration (rank accuracies): train with a validation split "
@@ -106,7 +106,7 @@ def size_tree(heads_path: str, **options) -> dict:
     """Save the tree with the highest expected speedup on this device into the heads' config (options: those
     of `expected_speedups`); returns the table it was chosen from."""
     table = expected_speedups(heads_path, **options)
-    heads = MedusaHeads.from_pretrained(heads_path)
+    heads = Heads.from_pretrained(heads_path)
     heads.config.tree = [list(path) for path in table["paths"][: table["chosen"] - 1]]
     heads.save_config(heads_path)
     return table

@@ -77,6 +77,18 @@ class Tree:
             children[parent].append(node)
         return children
 
+    @cached_property
+    def levels(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per depth d = 1 .. D, for heads that read the path: (the nodes of depth d (M,), each one's parent as a
+        row of the next (M,), the paths of their distinct parents (P, d): node ids from the root to the parent)."""
+        levels = []
+        for depth in range(1, int(self.depths.max()) + 1):
+            nodes = (self.depths == depth).nonzero()[:, 0]  # (M,)
+            parents, rows = self.parents[nodes].unique(return_inverse=True)  # (P,), (M,)
+            paths = self.mask[parents].nonzero()[:, 1].view(len(parents), depth)  # (P, d): ancestors by index = depth
+            levels.append((nodes, rows, paths))
+        return levels
+
     def within(self, depth: int) -> "Tree":
         """The tree without the nodes deeper than `depth`; the nodes kept are the first ones, in the same order."""
         return Tree.from_paths([path for path in self.paths if len(path) <= depth])

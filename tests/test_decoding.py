@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from mtp.base import load_tokenizer
 from mtp.cache import keep_accepted
 from mtp.decoding import Decoder
-from mtp.heads import HeadsConfig, MedusaHeads
+from mtp.heads import HEAD_TYPES, HeadsConfig, MedusaHeads
 from mtp.tree import Tree
 from tests.conftest import TINY_BASE
 
@@ -44,12 +44,12 @@ def reference(model, input_ids, max_new_tokens):
     return out[0, input_ids.shape[1] :].tolist()
 
 
-class OracleHeads(nn.Module):
+class OracleHeads(MedusaHeads):
     """Heads that know the future: they look up which position of a reference causal run the given hidden state
-    belongs to and put all their mass on the true tokens t+2 .. t+K+1."""
+    belongs to and put all their mass on the true tokens t+2 .. t+K+1 (laid out on the tree as Medusa heads')."""
 
     def __init__(self, model, sequence: torch.Tensor, num_heads: int):
-        super().__init__()
+        nn.Module.__init__(self)  # no weights: the guesses come from the reference run
         with torch.no_grad():
             self.hidden = model.get_decoder()(input_ids=sequence[None]).last_hidden_state[0]  # (T, H)
         self.sequence, self.vocab = sequence, model.config.vocab_size
@@ -64,19 +64,22 @@ class OracleHeads(nn.Module):
         return logits.topk(k, dim=-1).indices  # (D, k)
 
 
-def random_heads(model, num_heads=4, seed=1):
+def random_heads(model, num_heads=4, seed=1, head_type="medusa"):
     torch.manual_seed(seed)
-    heads = MedusaHeads(HeadsConfig(num_heads=num_heads, hidden_size=64, vocab_size=model.config.vocab_size))
+    config = HeadsConfig(num_heads=num_heads, head_type=head_type, hidden_size=64, vocab_size=model.config.vocab_size)
+    heads = HEAD_TYPES[head_type](config)
     for parameter in heads.parameters():
         nn.init.normal_(parameter, std=0.5)
     return heads
 
 
+@pytest.mark.parametrize("head_type", HEAD_TYPES)
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral", "phi3", "gpt_neox"])
-def test_random_heads_give_the_base_models_greedy_output(model_type, tokenizer):
+def test_random_heads_give_the_base_models_greedy_output(model_type, head_type, tokenizer):
     model = tiny_model(model_type)
     input_ids = tokenizer(PROMPT, return_tensors="pt").input_ids
-    result = Decoder(model, tokenizer, random_heads(model), TREE).generate(PROMPT, max_new_tokens=40)
+    heads = random_heads(model, head_type=head_type)
+    result = Decoder(model, tokenizer, heads, TREE).generate(PROMPT, max_new_tokens=40)
     assert result.token_ids == reference(model, input_ids, 40)
     assert result.finish_reason == "length" and result.forward_passes == len(result.accept_lengths)
     assert sum(result.accept_lengths) >= 40 - 1  # every pass settles at least its bonus token
@@ -171,14 +174,15 @@ def test_the_cache_after_acceptance_equals_a_causal_run(tokenizer):
         torch.testing.assert_close(ours.values, theirs.values, atol=1e-5, rtol=1e-4)
 
 
-def test_trained_heads_give_the_base_models_greedy_output(tokenizer, tmp_path):
+@pytest.mark.parametrize("head_type", HEAD_TYPES)
+def test_trained_heads_give_the_base_models_greedy_output(tokenizer, tmp_path, head_type):
     import lightning as L
 
     from mtp.data import HeadsDataModule
     from mtp.module import HeadsModule
     from tests.conftest import TINY_CHAT
 
-    module = HeadsModule(TINY_BASE, num_heads=4, lm_head="own", lr=3e-3)
+    module = HeadsModule(TINY_BASE, num_heads=4, lm_head="own", lr=3e-3, head_type=head_type)
     trainer = L.Trainer(max_steps=30, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path)  # fmt: skip
     trainer.fit(module, HeadsDataModule(TINY_CHAT, TINY_BASE, batch_size=8))

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from mtp.base import load_base
-from mtp.heads import HeadsConfig, MedusaHeads, base_identity
+from mtp.heads import Heads, HeadsConfig, HydraHeads, MedusaHeads, base_identity
+from mtp.tree import Tree
 from tests.conftest import TINY_BASE
 
 
@@ -16,24 +17,26 @@ def config(tiny):
     return HeadsConfig(num_heads=3, num_layers=2, **base_identity(TINY_BASE, model, tokenizer))
 
 
+@pytest.mark.parametrize("kind", [MedusaHeads, HydraHeads])
 @pytest.mark.parametrize("lm_head", ["shared", "own"])
-def test_new_heads_predict_what_the_base_lm_head_predicts(tiny, config, lm_head):
+def test_new_heads_predict_what_the_base_lm_head_predicts(tiny, config, lm_head, kind):
     model, _ = tiny
     config.lm_head = lm_head
     lm_head_module = model.get_output_embeddings()
-    heads = MedusaHeads(config, lm_head_module.weight.detach())
+    heads = kind(config, lm_head_module.weight.detach())
     hidden = torch.randn(2, 5, config.hidden_size)
-    logits = heads(hidden, lm_head_module)  # (K, B, T, V)
+    following = torch.randn(2, 5, 3, config.hidden_size)  # what Hydra heads read beside it: ignored at first
+    logits = heads(hidden, lm_head_module, following=following)  # (K, B, T, V)
     assert logits.shape == (3, 2, 5, config.vocab_size)
     for k in range(3):
         assert torch.allclose(logits[k], lm_head_module(hidden), atol=1e-5)
 
 
-def random_heads(tiny, config, lm_head):
+def random_heads(tiny, config, lm_head, kind=MedusaHeads):
     """(model, heads with random weights: heads that differ from each other and from the base lm_head)."""
     model, _ = tiny
-    config.lm_head = lm_head
-    heads = MedusaHeads(config, model.get_output_embeddings().weight.detach())
+    config.lm_head, config.head_type = lm_head, "hydra" if kind is HydraHeads else "medusa"
+    heads = kind(config, model.get_output_embeddings().weight.detach())
     torch.manual_seed(0)
     for parameter in heads.parameters():
         torch.nn.init.normal_(parameter, std=0.3)
@@ -82,6 +85,46 @@ def test_draft_logits_are_the_full_logits_draft_columns_for_a_new_list_and_carry
     draft.sum().backward()
     trained = [heads.blocks[0][0].linear.weight] + ([] if lm_head == "shared" else [heads.projections[0].weight])
     assert all(parameter.grad is not None and parameter.grad.abs().sum() > 0 for parameter in trained)
+
+
+@pytest.mark.parametrize("draft", [False, True])
+@pytest.mark.parametrize("lm_head", ["shared", "own"])
+def test_hydra_heads_fill_each_node_with_the_guess_for_its_own_path(tiny, config, lm_head, draft):
+    """Level by level, batched over the parents of each depth, equals computing every node alone: node
+    (r1, .., rd) holds rank rd of head d-1 reading the tokens of its parent's path (root first)."""
+    model, heads = random_heads(tiny, config, lm_head, HydraHeads)
+    if draft:
+        heads.config.draft_vocab = torch.randperm(config.vocab_size)[:100].tolist()
+    lm_head_module = model.get_output_embeddings()
+    embed = torch.nn.Embedding(config.vocab_size, config.hidden_size)  # N(0, 1): the path weighs as much as hidden
+    tree = Tree.from_paths([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (2, 0), (0, 0, 0), (1, 0, 0), (0, 1, 0)])
+    hidden, root = torch.randn(config.hidden_size), torch.tensor([7])
+    with torch.no_grad():
+        tokens = heads.tree_tokens(hidden, root, tree, lm_head_module, embed, k=3)  # (N+1,)
+        assert tokens.shape == (tree.size,) and tokens[0] == 7
+        for node, path in enumerate(tree.paths, 1):
+            ancestors = tree.mask[tree.parents[node]].nonzero()[:, 0]  # root .. parent
+            following = embed(tokens[ancestors])  # (d, H)
+            logits = heads(hidden, lm_head_module, len(path), following)[len(path) - 1]  # (V,)
+            if draft:  # only draft tokens can be guessed
+                logits = logits.masked_fill(~torch.isin(torch.arange(config.vocab_size), root.new_tensor(
+                    heads.config.draft_vocab)), float("-inf"))  # fmt: skip
+            assert tokens[node] == logits.topk(3).indices[path[-1]], path
+        # the path matters: the children of (0,) and (1,) are guesses of the same head after different tokens
+        after = [heads(hidden, lm_head_module, 2, embed(torch.stack([root[0], tokens[node]])))[1] for node in (1, 2)]
+        assert tokens[1] != tokens[2] and not torch.allclose(*after)
+
+
+def test_hydra_heads_round_trip_and_refuse_to_run_without_the_path(tiny, config, tmp_path):
+    model, heads = random_heads(tiny, config, "shared", HydraHeads)
+    heads.save_pretrained(tmp_path)
+    loaded = Heads.from_pretrained(tmp_path)
+    hidden, following = torch.randn(4, config.hidden_size), torch.randn(4, 3, config.hidden_size)
+    assert isinstance(loaded, HydraHeads)
+    assert torch.equal(loaded(hidden, model.get_output_embeddings(), following=following),
+                       heads(hidden, model.get_output_embeddings(), following=following))  # fmt: skip
+    with pytest.raises(ValueError, match="Hydra head 2 reads the embeddings of the 3 tokens"):
+        heads(hidden, model.get_output_embeddings(), following=following[:, :2])
 
 
 def test_every_layer_of_every_head_is_its_own_module(config):
@@ -139,7 +182,12 @@ def test_heads_refuse_a_base_they_were_not_trained_for(tiny, config, tmp_path):
 
 @pytest.mark.parametrize(
     "bad, message",
-    [(dict(num_heads=0), "num_heads=0"), (dict(num_layers=0), "num_layers=0"), (dict(lm_head="tied"), "'shared'")],
+    [
+        (dict(num_heads=0), "num_heads=0"),
+        (dict(num_layers=0), "num_layers=0"),
+        (dict(lm_head="tied"), "'shared'"),
+        (dict(head_type="eagle"), r"head_type='eagle': choose one of \['hydra', 'medusa'\]"),
+    ],
 )
 def test_bad_head_config_is_a_clear_error(bad, message):
     with pytest.raises(ValueError, match=message):

@@ -198,6 +198,35 @@ def test_the_training_loss_is_the_hand_computed_one_on_assistant_tokens_at_t_plu
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("head_type, teacher", [("hydra", False), ("medusa", True), ("hydra", True)])
+def test_hydra_heads_read_the_true_tokens_after_t_and_the_teacher_is_the_base_models_prediction(head_type, teacher):
+    """By hand, one position at a time: a Hydra head k at t reads the input embeddings of tokens t+1 .. t+k+1;
+    with `teacher`, head k learns the base model's own distribution at t+k+1 (its prediction of token t+k+2)."""
+    weights = [1.0, 0.5]
+    module = HeadsModule(TINY_BASE, num_heads=2, lm_head="own", loss_weights=weights, head_type=head_type,
+                         teacher=teacher)  # fmt: skip
+    torch.manual_seed(0)
+    for parameter in module.heads.parameters():
+        torch.nn.init.normal_(parameter, std=0.3)
+    tokenizer = load_tokenizer(TINY_BASE)
+    examples = [(*encode(tokenizer, to_example(row), 512), i) for i, row in enumerate(read_rows(TINY_CHAT)[:3])]
+    lm_head, embed = module.base_model.get_output_embeddings(), module.base_model.get_input_embeddings()
+    sums, counts = [0.0, 0.0], [0, 0]
+    for ids, mask, _ in examples:
+        hidden = module.base_model.get_decoder()(input_ids=ids[None]).last_hidden_state[0]  # (T, H)
+        for k in range(2):
+            for t in range(len(ids) - k - 2):
+                if mask[t + k + 2]:
+                    following = embed(ids[t + 1 : t + k + 2])[None]  # (1, k+1, H): tokens t+1 .. t+k+1
+                    logits = module.heads(hidden[t][None], lm_head, k + 1, following)[k, 0]  # (V,)
+                    target = lm_head(hidden[t + k + 1]).softmax(-1) if teacher else ids[t + k + 2]
+                    sums[k] += F.cross_entropy(logits, target)
+                    counts[k] += 1
+    expected = sum(weight * total / count for weight, total, count in zip(weights, sums, counts, strict=True))
+    torch.testing.assert_close(module.training_step(collate(examples), 0), expected)
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("lm_head", ["shared", "own"])
 def test_with_a_draft_vocabulary_the_loss_ranks_its_tokens_only_and_a_target_outside_it_is_a_miss(lm_head):
     module = HeadsModule(TINY_BASE, num_heads=2, lm_head=lm_head)

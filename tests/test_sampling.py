@@ -10,7 +10,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 import mtp.decoding
 from mtp.decoding import Decoder
-from mtp.heads import HeadsConfig, MedusaHeads
+from mtp.heads import HEAD_TYPES, HeadsConfig
 from mtp.sampling import Sampling
 from mtp.tree import Tree
 from tests.test_decoding import random_heads, reference, tiny_model
@@ -20,7 +20,7 @@ PROMPT = torch.tensor([[3, 7, 1]])
 TREE = Tree.from_paths([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
 
 
-def small_vocab_decoder(seed=0, sliding_window=None) -> Decoder:
+def small_vocab_decoder(seed=0, sliding_window=None, head_type="medusa") -> Decoder:
     """A 1-layer Llama (a Mistral if `sliding_window`) over 8 tokens, peaked enough that a few continuations
     dominate, and random heads."""
     torch.manual_seed(seed)
@@ -33,7 +33,8 @@ def small_vocab_decoder(seed=0, sliding_window=None) -> Decoder:
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(60)  # sharper next-token distributions than a fresh init's near-uniform ones
-    heads = MedusaHeads(HeadsConfig(num_heads=3, lm_head="own", hidden_size=16, vocab_size=VOCAB))
+    config = HeadsConfig(num_heads=3, lm_head="own", head_type=head_type, hidden_size=16, vocab_size=VOCAB)
+    heads = HEAD_TYPES[head_type](config)
     for parameter in heads.parameters():
         torch.nn.init.normal_(parameter, std=0.5)
     return Decoder(model, None, heads.eval(), TREE)
@@ -83,12 +84,17 @@ SETTINGS = [Sampling(temperature=1.0, seed=0), Sampling(temperature=0.7, top_k=6
 
 
 @pytest.mark.parametrize(
-    "sampling, sliding_window",
-    [(SETTINGS[0], None), (SETTINGS[1], None), (Sampling(temperature=1.0, seed=2 * 10**6), 2)],
-    ids=["t1", "t0.7-k6-p0.9", "t1-window2"],  # window 2: the last 3 tokens each see only their last 2
+    "sampling, sliding_window, head_type",
+    [
+        (SETTINGS[0], None, "medusa"),
+        (SETTINGS[1], None, "medusa"),
+        (Sampling(temperature=1.0, seed=2 * 10**6), 2, "medusa"),
+        (Sampling(temperature=0.7, top_k=6, top_p=0.9, seed=3 * 10**6), None, "hydra"),
+    ],
+    ids=["t1", "t0.7-k6-p0.9", "t1-window2", "t0.7-k6-p0.9-hydra"],  # window 2: the last 3 tokens see their last 2
 )
-def test_exact_acceptance_samples_the_base_models_joint_distribution(sampling, sliding_window):
-    decoder = small_vocab_decoder(sliding_window=sliding_window)
+def test_exact_acceptance_samples_the_base_models_joint_distribution(sampling, sliding_window, head_type):
+    decoder = small_vocab_decoder(sliding_window=sliding_window, head_type=head_type)
     joint = exact_joint(decoder.base_model, sampling)
     found, settled = sample(decoder, sampling, 20_000)
     assert settled[1] > 1000 and sum(v for k, v in settled.items() if k > 1) > 1000  # rejections and acceptances

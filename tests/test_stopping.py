@@ -9,7 +9,7 @@ import torch
 
 import mtp
 from mtp.decoding import Decoder, GenerationResult
-from mtp.heads import HeadsConfig, MedusaHeads, base_identity
+from mtp.heads import HEAD_TYPES, HeadsConfig, MedusaHeads, base_identity
 from tests.conftest import ROOT, TINY_BASE
 from tests.test_decoding import PROMPT, TREE, OracleHeads, reference, tiny_model
 
@@ -115,9 +115,10 @@ def test_generation_fills_the_context_window_exactly_and_no_further(tokenizer):
         decoder.generate(PROMPT, max_new_tokens=room + 1)
 
 
-def save_random_heads(tmp_path, lm_head="shared"):
+def save_random_heads(tmp_path, lm_head="shared", head_type="medusa"):
     model, tokenizer = mtp.base.load_base(TINY_BASE)
-    heads = MedusaHeads(HeadsConfig(num_heads=3, lm_head=lm_head, **base_identity(TINY_BASE, model, tokenizer)))
+    identity = base_identity(TINY_BASE, model, tokenizer)
+    heads = HEAD_TYPES[head_type](HeadsConfig(num_heads=3, lm_head=lm_head, head_type=head_type, **identity))
     torch.manual_seed(0)
     for parameter in heads.parameters():
         torch.nn.init.normal_(parameter, std=0.3)
@@ -125,8 +126,9 @@ def save_random_heads(tmp_path, lm_head="shared"):
     return str(tmp_path / "heads"), model, tokenizer
 
 
-def test_load_gives_a_lossless_decoder_for_saved_heads(tmp_path):
-    path, model, tokenizer = save_random_heads(tmp_path, "own")
+@pytest.mark.parametrize("head_type", HEAD_TYPES)
+def test_load_gives_a_lossless_decoder_for_saved_heads(tmp_path, head_type):
+    path, model, tokenizer = save_random_heads(tmp_path, "own", head_type)
     decoder = mtp.load(path, tree="medium")
     messages = [{"role": "user", "content": "Count from 1 to 9."}]
     result = decoder.generate(messages, max_new_tokens=24)
