@@ -81,7 +81,8 @@ class ResidualBlock(nn.Module):
 class Heads(nn.Module):
     """What every kind of head shares: `num_heads` stacks of residual blocks, each followed by a vocabulary
     projection (the base lm_head, or an own copy per head), a draft vocabulary, and the folder format. A kind
-    says what head k reads (`state`) and how a step's guesses fill the tree (`tree_tokens`).
+    says what head k reads (`state`; `reads_path`: the embeddings of the tokens after t too) and how a step's
+    guesses fill the tree (`tree_tokens`).
 
     New heads predict exactly what the base lm_head predicts (the blocks start as the identity and an `own`
     projection as a copy of the base lm_head); training moves head k to token t+k+2.
@@ -215,6 +216,8 @@ class MedusaHeads(Heads):
     """Medusa heads: head k reads the base model's hidden state at t alone, blind to the tokens before its
     target, so one pass of all heads fills the whole tree."""
 
+    reads_path = False
+
     def state(self, k: int, hidden: torch.Tensor, following: torch.Tensor | None = None) -> torch.Tensor:
         return self.blocks[k](hidden)
 
@@ -232,6 +235,8 @@ class HydraHeads(Heads):
     model's input embeddings of the tokens t+1 .. t+k+1 (the true ones in training, the candidate path when
     decoding), mixed by a linear layer that starts as "hidden state only", then residual blocks. A step fills
     the tree level by level: head d-1 runs once over every node of depth d-1 that has children."""
+
+    reads_path = True
 
     def __init__(self, config: HeadsConfig, lm_head_weight: torch.Tensor | None = None):
         super().__init__(config, lm_head_weight)

@@ -142,7 +142,7 @@ class HeadsModule(L.LightningModule):
         targets = targets[:, keep]  # (K, N)
         lm_head, num_heads = self.base_model.get_output_embeddings(), len(self.weights)
         following = None  # (N, K, H) the input embeddings of the true tokens t+1 .. t+K, for heads that read them
-        if self.heads.config.head_type == "hydra":
+        if self.heads.reads_path:
             following = self.base_model.get_input_embeddings()(following_tokens(batch["input_ids"], num_heads)[keep])
         draft = self.heads.config.draft_vocab
         if draft is None:
