@@ -90,6 +90,7 @@ class HeadsDataModule(L.LightningDataModule):
         max_length: int = 512,
         batch_size: int = 8,
         val_fraction: float = 0.05,
+        val_data: str | None = None,
         seed: int = 0,
     ):
         """Training data for the heads.
@@ -103,7 +104,10 @@ class HeadsDataModule(L.LightningDataModule):
             split: split of a `datasets` id or dataset folder.
             max_length: tokens per example; longer ones are truncated.
             batch_size: examples per batch, grouped by length.
-            val_fraction: share of examples held out for validation.
+            val_fraction: share of prompts held out for validation, with every answer to them.
+            val_data: validate on this file or folder's answers to the held-out prompts (and to prompts `data`
+                lacks) instead of on `data`'s: for example on the greedy answers only, when `data` also holds
+                sampled ones and decoding is greedy.
             seed: for the validation split and batch grouping.
         """
         super().__init__()
@@ -111,6 +115,7 @@ class HeadsDataModule(L.LightningDataModule):
             raise ValueError(f"val_fraction={val_fraction}: must be in [0, 1).")
         self.data, self.base_model, self.distill, self.split = data, base_model, distill, split
         self.max_length, self.batch_size, self.val_fraction, self.seed = max_length, batch_size, val_fraction, seed
+        self.val_data = val_data
         self.train_batches = self.val_batches = None
 
     def prepare_data(self) -> None:
@@ -122,7 +127,33 @@ class HeadsDataModule(L.LightningDataModule):
             return
         tokenizer = load_tokenizer(self.base_model)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        rows = read_rows(self.data, self.split)
+        examples, prompts = self._read(tokenizer, self.data)
+        order = list(range(len(examples)))
+        random.Random(self.seed).shuffle(order)
+        examples = [(*examples[i], index) for index, i in enumerate(order)]  # index: the example's id
+        prompts = [prompts[i] for i in order]
+        # Whole prompts are held out: a second answer to a validation prompt (a sampled one beside the greedy
+        # one) must not be trained on.
+        distinct = list(dict.fromkeys(prompts))  # in the shuffled order
+        num_val = max(round(self.val_fraction * len(distinct)), 1) if self.val_fraction > 0 and len(distinct) > 1 else 0
+        held_out = set(distinct[:num_val])
+        self.train_examples = [ex for ex, prompt in zip(examples, prompts, strict=True) if prompt not in held_out]
+        if self.val_data is None:
+            self.val_examples = [ex for ex, prompt in zip(examples, prompts, strict=True) if prompt in held_out]
+        else:
+            trained = set(prompts) - held_out
+            val_examples, val_prompts = self._read(tokenizer, self.val_data)
+            self.val_examples = [
+                (*example, len(examples) + i)  # ids after data's: the hidden-state cache is keyed on them
+                for i, (example, prompt) in enumerate(zip(val_examples, val_prompts, strict=True))
+                if prompt not in trained
+            ]
+        self.train_batches = self._batches(self.train_examples)
+        self.val_batches = self._batches(self.val_examples)
+
+    def _read(self, tokenizer: PreTrainedTokenizerBase, data: str) -> tuple[list, list[str]]:
+        """The usable examples of `data`, encoded, and the prompt each answers; a warning counts the rest."""
+        rows = read_rows(data, self.split)
         examples, prompts, skipped = [], [], Counter()
         for row in rows:
             example = to_example(row)
@@ -133,24 +164,12 @@ class HeadsDataModule(L.LightningDataModule):
                 examples.append(encoded)
                 prompts.append(prompt_of(example))
         if not examples:
-            raise ValueError(f"No usable row in {self.data!r} ({len(rows)} rows; skipped: {dict(skipped)}).")
+            raise ValueError(f"No usable row in {data!r} ({len(rows)} rows; skipped: {dict(skipped)}).")
         if skipped:
             warnings.warn(
-                f"Skipped {sum(skipped.values())} of {len(rows)} rows of {self.data!r}: {dict(skipped)}", stacklevel=2
+                f"Skipped {sum(skipped.values())} of {len(rows)} rows of {data!r}: {dict(skipped)}", stacklevel=3
             )
-        order = list(range(len(examples)))
-        random.Random(self.seed).shuffle(order)
-        examples = [(*examples[i], index) for index, i in enumerate(order)]  # index: the example's id
-        prompts = [prompts[i] for i in order]
-        # Whole prompts are held out: a second answer to a validation prompt (a sampled one beside the greedy
-        # one) must not be trained on.
-        distinct = list(dict.fromkeys(prompts))  # in the shuffled order
-        num_val = max(round(self.val_fraction * len(distinct)), 1) if self.val_fraction > 0 and len(distinct) > 1 else 0
-        held_out = set(distinct[:num_val])
-        self.val_examples = [example for example, prompt in zip(examples, prompts, strict=True) if prompt in held_out]
-        self.train_examples = [ex for ex, prompt in zip(examples, prompts, strict=True) if prompt not in held_out]
-        self.train_batches = self._batches(self.train_examples)
-        self.val_batches = self._batches(self.val_examples)
+        return examples, prompts
 
     def _batches(self, examples):
         return [

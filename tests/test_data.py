@@ -106,6 +106,38 @@ def test_every_answer_to_a_held_out_prompt_is_held_out(tmp_path):
     assert all(val.count(question) == 2 for question in val)  # both answers of each held-out prompt
 
 
+def test_val_data_validates_on_its_answers_to_prompts_never_trained_on(tmp_path):
+    """With val_data (the greedy answers, say), validation reads its answers to the held-out prompts and to prompts
+    `data` lacks, never its answers to a trained prompt; its example ids follow data's (the hidden-state cache)."""
+
+    def chats(answers, questions):
+        return [
+            {
+                "messages": [
+                    {"role": "user", "content": f"Question {i}?"},
+                    {"role": "assistant", "content": a + f" {i}."},
+                ]
+            }
+            for i in questions
+            for a in answers
+        ]
+
+    train_file = write_jsonl(tmp_path / "both.jsonl", chats(("Greedy", "Sampled"), range(20)))
+    val_file = write_jsonl(tmp_path / "greedy.jsonl", chats(("Greedy",), [*range(20), 99]))
+    data = HeadsDataModule(train_file, TINY_BASE, val_fraction=0.25, val_data=val_file)
+    data.setup("fit")
+    tokenizer = load_tokenizer(TINY_BASE)
+    val = [tokenizer.decode(ids) for ids, _, _ in data.val_examples]
+    train = [tokenizer.decode(ids) for ids, _, _ in data.train_examples]
+    held_out = {i for i in range(20) if not any(f"Question {i}?" in text for text in train)}
+    assert len(train) == 30 and len(held_out) == 5
+    assert sorted(val) == sorted(
+        next(t for t in val if f"Question {i}?" in t and f"Greedy {i}." in t) for i in [*held_out, 99]
+    )
+    ids = [index for _, _, index in data.train_examples + data.val_examples]
+    assert len(set(ids)) == len(ids)
+
+
 def test_all_rows_bad_is_an_error(tmp_path):
     data = HeadsDataModule(write_jsonl(tmp_path / "bad.jsonl", [{"messages": CHAT[:1]}] * 3), TINY_BASE)
     with pytest.raises(ValueError, match=r"No usable row.*3 rows.*no assistant turn"):
