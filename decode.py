@@ -17,6 +17,7 @@ import mtp
 from mtp.base import DEFAULT_BASE, load_base
 from mtp.cli import user_errors
 from mtp.decoding import Decoder, GenerationResult
+from mtp.lookup import add_lookup_arguments, lookup_from
 from mtp.rows import read_rows
 from mtp.sampling import add_sampling_arguments, sampling_from
 from mtp.tree import NAMED_TREES
@@ -66,6 +67,7 @@ def main() -> None:
         "the heads' calibration (default: the tree saved with the heads)",
     )
     add_sampling_arguments(parser)
+    add_lookup_arguments(parser)
     parser.add_argument("--stream", action="store_true", help="print text as it is accepted")
     parser.add_argument("--json", action="store_true", help="one JSON object per answer on stdout")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -76,9 +78,9 @@ def main() -> None:
     if args.heads is None and args.base_model is None:
         args.heads = str(SHIPPED_HEADS)
     if args.heads:
-        decoder = mtp.load(args.heads, args.device, dtype, tree=args.tree, base_model=args.base_model)
+        decoder = mtp.load(args.heads, args.device, dtype, args.tree, args.base_model, lookup_from(args))
     else:
-        decoder = Decoder(*load_base(args.base_model or DEFAULT_BASE, args.device, dtype))
+        decoder = Decoder(*load_base(args.base_model or DEFAULT_BASE, args.device, dtype), lookup=lookup_from(args))
     chat = decoder.tokenizer.chat_template is not None
     interactive = args.prompt is None and args.prompts_file is None
     totals = [0, 0, 0.0]  # tokens, verification passes, seconds
@@ -98,6 +100,7 @@ def main() -> None:
             if args.json:
                 print(json.dumps({"prompt": turn, "text": result.text, "tokens": len(result.token_ids),
                                   "forward_passes": result.forward_passes, "tau": round(result.tau, 3),
+                                  "lookup_accepted": result.lookup_accepted,
                                   "finish_reason": result.finish_reason, "stop_sequence": result.stop_sequence,
                                   "tokens_per_second": round(result.tokens_per_second, 2)}), flush=True)  # fmt: skip
             elif not (args.stream or interactive):

@@ -5,10 +5,11 @@ import torch
 from mtp.base import load_base
 from mtp.decoding import Decoder, GenerationResult
 from mtp.heads import Heads
+from mtp.lookup import Lookup
 from mtp.sampling import Sampling
 from mtp.tree import DEFAULT_TREE, Tree, named_tree
 
-__all__ = ["Decoder", "GenerationResult", "Sampling", "load"]
+__all__ = ["Decoder", "GenerationResult", "Lookup", "Sampling", "load"]
 
 
 def load(
@@ -17,6 +18,7 @@ def load(
     dtype: torch.dtype = torch.float32,
     tree: str | None = None,
     base_model: str | None = None,
+    lookup: Lookup | None = None,
 ) -> Decoder:
     """A decoder with the heads in `heads_path` and the base model they were trained for.
 
@@ -28,6 +30,7 @@ def load(
             calibration; default: the tree saved with the heads (`python -m mtp.sizing`), else the default tree.
         base_model: load this base instead of the one named in the heads' config (for example a local copy);
             it must be the same model: hidden size, vocabulary and tokenizer are checked.
+        lookup: prompt lookup's candidates beside the heads' each step (see `mtp.lookup`); None: heads alone.
     """
     heads = Heads.from_pretrained(heads_path)
     name = base_model or heads.config.base_model
@@ -38,4 +41,4 @@ def load(
         chosen = named_tree(tree or DEFAULT_TREE, num_heads, heads.config.calibration)
     else:
         chosen = Tree.from_paths(heads.config.tree, num_heads=num_heads)
-    return Decoder(model, tokenizer, heads.to(device=device, dtype=dtype).eval(), chosen)
+    return Decoder(model, tokenizer, heads.to(device=device, dtype=dtype).eval(), chosen, lookup)

@@ -1,6 +1,8 @@
-"""Benchmark mtp against plain `generate` and prompt-lookup decoding, interleaved prompt by prompt in one
-process: tau, tokens/s and speedups per category, and, when greedy, a check that every mtp output equals plain
-`generate`'s. With --temperature > 0 all three sample (the same temperature, top-k and top-p).
+"""Benchmark mtp against plain `generate` and Hugging Face prompt-lookup decoding (and, when mtp's own prompt
+lookup is on, against mtp with its heads alone), interleaved prompt by prompt in one process: tau, tokens/s,
+speedups and the accepted candidates that came from the heads and from lookup, per category; when greedy, a
+check that every mtp output equals plain `generate`'s. With --temperature > 0 all sample (the same temperature,
+top-k and top-p).
 
     python -m mtp.bench --heads HEADS --questions data/mt_bench.jsonl --limit 16 --max-new-tokens 128
 """
@@ -16,11 +18,13 @@ from tqdm import tqdm
 
 import mtp
 from mtp.cli import user_errors
+from mtp.decoding import Decoder
+from mtp.lookup import add_lookup_arguments, lookup_from
 from mtp.rows import read_rows
 from mtp.sampling import Sampling, add_sampling_arguments, sampling_from
 from mtp.tree import NAMED_TREES
 
-METHODS = ("plain", "lookup", "mtp")
+METHODS = ("plain", "lookup", "heads", "mtp")  # heads: mtp without its prompt lookup, when that is on
 
 
 def timed_generate(model, input_ids, max_new_tokens, sampling: Sampling, **options) -> tuple[list[int], float]:
@@ -39,25 +43,31 @@ def timed_generate(model, input_ids, max_new_tokens, sampling: Sampling, **optio
 def summarise(rows: list[dict]) -> dict:
     """Totals over questions: each method's tokens/s counts its own tokens; mismatches count the questions where
     mtp's output differs from plain `generate`'s (greedy only; None when sampling)."""
-    tokens = sum(row["mtp_tokens"] for row in rows)
+    tokens, passes = sum(row["mtp_tokens"] for row in rows), sum(row["forward_passes"] for row in rows)
     speed = {name: sum(row[f"{name}_tokens"] for row in rows) / sum(row[f"{name}_seconds"] for row in rows)
-             for name in METHODS}  # fmt: skip
+             for name in METHODS if f"{name}_seconds" in rows[0]}  # fmt: skip
+    candidates = sum(sum(row["accept_lengths"]) for row in rows) - passes  # accepted, bonus tokens left out
+    from_lookup = sum(row["lookup_accepted"] for row in rows)
     return {
-        "questions": len(rows), "tokens": tokens, "tau": tokens / max(sum(row["forward_passes"] for row in rows), 1),
+        "questions": len(rows), "tokens": tokens, "tau": tokens / max(passes, 1),
         **{f"{name}_tokens_per_second": value for name, value in speed.items()},
-        "speedup_vs_plain": speed["mtp"] / speed["plain"], "speedup_vs_lookup": speed["mtp"] / speed["lookup"],
+        **{f"speedup_vs_{name}": speed["mtp"] / value for name, value in speed.items() if name != "mtp"},
+        "accepted_from_heads": candidates - from_lookup, "accepted_from_lookup": from_lookup,
         "mismatches": None if rows[0]["matches_plain"] is None else sum(not row["matches_plain"] for row in rows),
     }  # fmt: skip
 
 
 def markdown(summary: dict[str, dict]) -> str:
-    columns = "category | questions | tau | mtp tok/s | plain tok/s | lookup tok/s | vs plain | vs lookup | mismatches"
-    lines = [f"| {columns} |", "| --- |" + " ---: |" * 8]
+    others = [name for name in METHODS[:-1] if f"speedup_vs_{name}" in summary["overall"]]
+    columns = ["category", "questions", "tau", *(f"{name} tok/s" for name in ["mtp", *others])]
+    columns += [*(f"vs {name}" for name in others), "accepted from heads / lookup", "mismatches"]
+    lines = ["| " + " | ".join(columns) + " |", "| --- |" + " ---: |" * (len(columns) - 1)]
     for name, s in summary.items():
         figures = [s["questions"], f"{s['tau']:.2f}"]
-        figures += [f"{s[f'{method}_tokens_per_second']:.1f}" for method in ("mtp", "plain", "lookup")]
-        mismatches = "n/a (sampling)" if s["mismatches"] is None else s["mismatches"]
-        figures += [f"{s['speedup_vs_plain']:.2f}x", f"{s['speedup_vs_lookup']:.2f}x", mismatches]
+        figures += [f"{s[f'{method}_tokens_per_second']:.1f}" for method in ["mtp", *others]]
+        figures += [f"{s[f'speedup_vs_{method}']:.2f}x" for method in others]
+        figures += [f"{s['accepted_from_heads']} / {s['accepted_from_lookup']}"]
+        figures += ["n/a (sampling)" if s["mismatches"] is None else s["mismatches"]]
         lines.append(f"| {name} | " + " | ".join(str(figure) for figure in figures) + " |")
     return "\n".join(lines)
 
@@ -75,6 +85,7 @@ def main() -> None:
         "the heads' calibration (default: the tree saved with the heads)",
     )
     add_sampling_arguments(parser)
+    add_lookup_arguments(parser)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--out", default="runs/bench/bench.json", help="JSON out; the Markdown table goes beside it")
@@ -82,7 +93,8 @@ def main() -> None:
     sampling = sampling_from(args)
     if args.seed is not None:
         torch.manual_seed(args.seed)  # plain generate and prompt lookup sample with torch's global generator
-    decoder = mtp.load(args.heads, args.device, getattr(torch, args.dtype), tree=args.tree)
+    decoder = mtp.load(args.heads, args.device, getattr(torch, args.dtype), tree=args.tree, lookup=lookup_from(args))
+    heads_alone = decoder.lookup and Decoder(decoder.base_model, decoder.tokenizer, decoder.heads, decoder.tree)
     model = decoder.base_model
     questions = read_rows(args.questions)
     if args.limit:  # round-robin over categories, so a small limit still covers them all
@@ -95,6 +107,8 @@ def main() -> None:
         decoder.check_length(decoder.encode(messages).shape[1], args.max_new_tokens)
     warm_up = [{"role": "user", "content": "Hello"}]
     decoder.generate(warm_up, max_new_tokens=8, sampling=sampling)
+    if heads_alone:
+        heads_alone.generate(warm_up, max_new_tokens=8, sampling=sampling)
     timed_generate(model, decoder.encode(warm_up).to(args.device), 8, sampling, prompt_lookup_num_tokens=10)
     timed_generate(model, decoder.encode(warm_up).to(args.device), 8, sampling)
     rows = []
@@ -106,11 +120,15 @@ def main() -> None:
         result = decoder.generate(messages, max_new_tokens=args.max_new_tokens, sampling=sampling)
         rows.append({
             "category": question.get("category", "all"), "forward_passes": result.forward_passes,
-            "accept_lengths": result.accept_lengths, "mtp_tokens": len(result.token_ids), "plain_tokens": len(plain),
+            "accept_lengths": result.accept_lengths, "lookup_accepted": result.lookup_accepted,
+            "mtp_tokens": len(result.token_ids), "plain_tokens": len(plain),
             "lookup_tokens": len(lookup), "plain_seconds": plain_seconds, "lookup_seconds": lookup_seconds,
             "mtp_seconds": result.seconds,
             "matches_plain": result.token_ids == plain if sampling.greedy else None,  # samples differ by chance
         })  # fmt: skip
+        if heads_alone:
+            alone = heads_alone.generate(messages, max_new_tokens=args.max_new_tokens, sampling=sampling)
+            rows[-1] |= {"heads_tokens": len(alone.token_ids), "heads_seconds": alone.seconds}
     summary = {
         c: summarise([r for r in rows if r["category"] == c]) for c in dict.fromkeys(r["category"] for r in rows)
     }

@@ -11,8 +11,9 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from mtp.cache import attention_windows, keep_accepted, tree_attention_mask
 from mtp.heads import Heads
+from mtp.lookup import Lookup
 from mtp.sampling import GREEDY, Sampling, accept_exact, accept_typical, draw
-from mtp.tree import Tree
+from mtp.tree import LOOKUP, Tree
 
 
 @dataclass
@@ -33,6 +34,8 @@ class GenerationResult:
     forward_passes: int = 0
     accept_lengths: list[int] = field(default_factory=list)
     """Tokens accepted per verification pass, the bonus token included."""
+    lookup_accepted: int = 0
+    """Accepted candidates that prompt lookup proposed and no head did (the rest of the candidates are the heads')."""
     seconds: float = 0.0
 
     @property
@@ -48,7 +51,8 @@ class Decoder:
     """Decoding of `base_model` with `heads` proposing a `tree` of candidates each step: greedy output equal
     token for token to the base model's, or sampling with the base model's distribution (see `mtp.sampling`).
 
-    Without heads, every step verifies the root alone: plain one-token decoding through the same loop.
+    With `lookup`, prompt lookup's candidates join the tree each step (see `mtp.lookup`). Without heads or
+    lookup, every step verifies the root alone: plain one-token decoding through the same loop.
     """
 
     def __init__(
@@ -57,13 +61,14 @@ class Decoder:
         tokenizer: PreTrainedTokenizerBase,
         heads: Heads | None = None,
         tree: Tree | None = None,
+        lookup: Lookup | None = None,
     ):
         if base_model.config._attn_implementation not in ("eager", "sdpa"):
             raise ValueError(
                 f"Attention implementation {base_model.config._attn_implementation!r} of "
                 f"{base_model.config.model_type} takes no custom 4D tree mask: load it with attn_implementation='sdpa'."
             )
-        self.base_model, self.tokenizer, self.heads = base_model, tokenizer, heads
+        self.base_model, self.tokenizer, self.heads, self.lookup = base_model, tokenizer, heads, lookup
         self.tree = tree if heads is not None and tree is not None else Tree.from_paths([])
         if heads is not None and self.tree.size > 1:
             Tree.from_paths(self.tree.paths, num_heads=heads.config.num_heads)  # check the depth fits the heads
@@ -123,9 +128,9 @@ class Decoder:
     @torch.no_grad()
     def steps(
         self, input_ids: torch.Tensor, sampling: Sampling = GREEDY, max_length: int | None = None
-    ) -> Iterator[list[int]]:
-        """Yield the tokens each pass settles: the prefill's first token, then per step the accepted candidates
-        and the bonus token. Runs until the caller stops iterating.
+    ) -> Iterator[tuple[list[int], int]]:
+        """Yield the tokens each pass settles (the prefill's first token, then per step the accepted candidates
+        and the bonus token) and how many of them prompt lookup alone proposed. Runs until the caller stops.
 
         Args:
             input_ids: (1, T) the prompt.
@@ -144,7 +149,8 @@ class Decoder:
         logits = self.logits(hidden[0, -1])  # (V,)
         root = int(logits.argmax()) if sampling.greedy else draw(sampling.probabilities(logits).cpu(), generator)
         last_hidden = hidden[0, -1]  # (H,) the last accepted position's hidden state
-        yield [root]
+        sequence = torch.cat([input_ids[0].cpu(), torch.tensor([root])])  # what prompt lookup searches
+        yield [root], 0
         while True:
             with record_function("mtp.candidates"):  # the heads' guesses laid out on the tree
                 depth = min(max_length - 2 - prefix_len, self.depth)  # the root sits at prefix_len
@@ -152,6 +158,9 @@ class Decoder:
                 tokens = torch.tensor([root], device=device)  # (1,) root only
                 if tree.size > 1:  # (N+1,) the root and the heads' guesses
                     tokens = self.heads.tree_tokens(last_hidden, tokens, tree, self.lm_head, self.embed, self.top_k)
+                if self.lookup is not None and self.lookup.length:  # node d sits at position prefix_len + d
+                    room = max(max_length - 2 - prefix_len, 0)
+                    tree, tokens = tree.graft(tokens, self.lookup.propose(sequence)[: min(room, self.lookup.length)])
                 mask = tree_attention_mask(tree.mask, tree.depths, prefix_len, self.windows, hidden.dtype)
             with record_function("mtp.verify"):  # one forward pass of the base model over the whole tree
                 hidden = backbone(
@@ -174,7 +183,9 @@ class Decoder:
                 keep_accepted(cache, prefix_len, nodes)
             prefix_len += len(nodes)
             last_hidden = hidden[nodes[-1]]
-            yield tokens[nodes[1:]].tolist() + [root]
+            settled = tokens[nodes[1:]].tolist() + [root]
+            sequence = torch.cat([sequence, torch.tensor(settled)])
+            yield settled, int((tree.ranks[nodes] == LOOKUP).sum())
 
     @staticmethod
     def _accept_greedy(
@@ -225,10 +236,11 @@ class Decoder:
         shown = 0  # characters of text already yielded
         if max_new_tokens == 0:
             return
-        for passes, settled in enumerate(self.steps(input_ids, sampling, max_length)):
+        for passes, (settled, from_lookup) in enumerate(self.steps(input_ids, sampling, max_length)):
             if passes:  # the prefill is not a verification pass
                 result.forward_passes += 1
                 result.accept_lengths.append(len(settled))
+                result.lookup_accepted += from_lookup
             for token in settled:
                 if token in self.eos_ids:
                     result.finish_reason = "stop"

@@ -12,6 +12,7 @@ from functools import cached_property
 import torch
 
 Path = tuple[int, ...]
+LOOKUP = -2  # the rank of a node that prompt lookup proposed (see `Tree.graft`)
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class Tree:
     depths: torch.Tensor
     """(N+1,) depth of each node (root 0); also each node's position offset from the root."""
     ranks: torch.Tensor
-    """(N+1,) rank of each node's token in its head's top-k (root -1)."""
+    """(N+1,) rank of each node's token in its head's top-k (root -1, a prompt-lookup node LOOKUP)."""
     mask: torch.Tensor
     """(N+1, N+1) bool: mask[i, j] iff node j is node i or one of its ancestors."""
     retrieve: torch.Tensor
@@ -49,20 +50,43 @@ class Tree:
                 raise ValueError(f"Path {path} has a rank outside 0..{(top_k or 1) - 1}: use ranks below top_k.")
             if num_heads is not None and len(path) > num_heads:
                 raise ValueError(f"Path {path} is {len(path)} deep, but there are only {num_heads} heads.")
-        size = len(ordered) + 1
         parents = torch.tensor([-1] + [index[path[:-1]] for path in ordered])  # (N+1,)
+        return cls._build(ordered, parents, torch.tensor([-1] + [path[-1] for path in ordered]))
+
+    @classmethod
+    def _build(cls, paths: tuple[Path, ...], parents: torch.Tensor, ranks: torch.Tensor) -> "Tree":
+        """The tree whose node i has parent parents[i] (< i; the root's -1)."""
+        size = len(parents)
         mask = torch.eye(size, dtype=torch.bool)  # (N+1, N+1)
-        for node in range(1, size):  # parents come first in breadth-first order, so their rows are complete
+        for node in range(1, size):  # parents come first, so their rows are complete
             mask[node] |= mask[parents[node]]
         depths = mask.sum(-1) - 1  # (N+1,): a node sees itself and its ancestors
-        inner = {path[:-1] for path in ordered}
-        leaves = [path for path in ordered if path not in inner] or [()]  # a root-only tree: the root is the leaf
+        leaves = sorted(set(range(size)) - set(parents.tolist()))  # a root-only tree: the root is the leaf
         retrieve = torch.full((len(leaves), int(depths.max()) + 1), -1)  # (L, D+1)
-        retrieve[:, 0] = 0
-        for row, leaf in enumerate(leaves):
-            retrieve[row, 1 : len(leaf) + 1] = torch.tensor([index[leaf[:d]] for d in range(1, len(leaf) + 1)])
-        ranks = torch.tensor([-1] + [path[-1] for path in ordered])  # (N+1,)
-        return cls(ordered, parents, depths, ranks, mask, retrieve)
+        for row, leaf in enumerate(leaves):  # a leaf's ancestors, by index: root first, as parents come first
+            path = mask[leaf].nonzero()[:, 0]
+            retrieve[row, : len(path)] = path
+        return cls(paths, parents, depths, ranks, mask, retrieve)
+
+    def graft(self, tokens: torch.Tensor, chain: list[int]) -> tuple["Tree", torch.Tensor]:
+        """This tree, whose nodes hold `tokens` (N+1,), with `chain` (tokens proposed after the root, by prompt
+        lookup) hung from the root: the chain follows the nodes whose tokens it repeats, so that no candidate is
+        verified twice, and its rest becomes new nodes (rank LOOKUP) below the last one it followed.
+
+        Returns the tree (on this tree's device) and its tokens (N'+1,), the new nodes' last."""
+        children, values, node, i = self.children, tokens.tolist(), 0, 0
+        while i < len(chain) and (match := [c for c in children[node] if values[c] == chain[i]]):
+            node, i = match[0], i + 1
+        rest = chain[i:]
+        if not rest:
+            return self, tokens
+        new = torch.arange(self.size, self.size + len(rest))  # (M,)
+        parents = torch.cat([self.parents.cpu(), torch.tensor([node]), new[:-1]])  # (N'+1,)
+        path = self.paths[node - 1] if node else ()
+        paths = self.paths + tuple(path + (LOOKUP,) * j for j in range(1, len(rest) + 1))
+        ranks = torch.cat([self.ranks.cpu(), torch.full((len(rest),), LOOKUP)])
+        grafted = Tree._build(paths, parents, ranks).to(self.parents.device)
+        return grafted, torch.cat([tokens, torch.tensor(rest, device=tokens.device)])
 
     @property
     def size(self) -> int:

@@ -9,8 +9,8 @@ from tests.conftest import DATA, ROOT
 from tests.test_stopping import save_random_heads
 
 
-@pytest.mark.parametrize("sampling", [[], ["--temperature", "0.7", "--top-p", "0.9", "--seed", "0"]],
-                         ids=["greedy", "sampling"])  # fmt: skip
+@pytest.mark.parametrize("sampling", [[], ["--temperature", "0.7", "--top-p", "0.9", "--seed", "0", "--lookup", "0"]],
+                         ids=["greedy-lookup", "sampling-heads-alone"])  # fmt: skip
 def test_bench_writes_its_json_and_table_and_finds_no_mismatch(tmp_path, sampling):
     path, _, _ = save_random_heads(tmp_path, "own")
     out = tmp_path / "bench.json"
@@ -29,21 +29,28 @@ def test_bench_writes_its_json_and_table_and_finds_no_mismatch(tmp_path, samplin
     for q in questions:  # an accept length per verification pass; they settle every token but the prefill's one
         assert q["forward_passes"] == len(q["accept_lengths"]) and 1 + sum(q["accept_lengths"]) >= q["mtp_tokens"]
     assert {"speedup_vs_plain", "speedup_vs_lookup", "mtp_tokens_per_second"} <= set(overall)
+    assert ("speedup_vs_heads" in overall) is (not sampling)  # mtp with its heads alone, when its lookup is on
+    assert overall["accepted_from_heads"] + overall["accepted_from_lookup"] == sum(
+        sum(q["accept_lengths"]) - q["forward_passes"] for q in questions
+    )
+    assert sampling or all(row["heads_tokens"] == row["mtp_tokens"] for row in questions)  # greedy: the same text
     # greedy: every output equals plain generate's; sampling: outputs differ by chance, nothing is compared
     assert all(row["matches_plain"] is (True if not sampling else None) for row in report["questions"])
     assert report["settings"]["temperature"] == (0.7 if sampling else 0.0)
     assert out.with_suffix(".md").read_text().startswith("| category |") and "| overall | 3 |" in done.stdout
 
 
-def row(passes, tokens, plain, lookup, seconds, matches=True):
-    """A benchmark row: mtp's forward passes, tokens of mtp, plain and lookup, seconds of mtp, plain and lookup."""
+def row(passes, tokens, plain, lookup, seconds, accepted, from_lookup, matches=True):
+    """A benchmark row: mtp's forward passes, tokens of mtp, plain and lookup, seconds of mtp, plain and lookup,
+    mtp's accept lengths and its accepted candidates from lookup."""
     return {"forward_passes": passes, "mtp_tokens": tokens, "plain_tokens": plain, "lookup_tokens": lookup,
             "mtp_seconds": seconds[0], "plain_seconds": seconds[1], "lookup_seconds": seconds[2],
-            "matches_plain": matches}  # fmt: skip
+            "accept_lengths": accepted, "lookup_accepted": from_lookup, "matches_plain": matches}  # fmt: skip
 
 
-ROWS = [row(4, 10, 10, 10, (0.5, 1.0, 0.5)), row(6, 20, 14, 20, (1.0, 1.0, 2.5), False),
-        row(5, 5, 6, 5, (0.25, 0.5, 0.5))]  # fmt: skip
+ROWS = [row(4, 10, 10, 10, (0.5, 1.0, 0.5), [3, 3, 2, 1], 2),
+        row(6, 20, 14, 20, (1.0, 1.0, 2.5), [4] + [3] * 5, 5, False),
+        row(5, 5, 6, 5, (0.25, 0.5, 0.5), [1] * 5, 0)]  # fmt: skip
 
 
 def test_summarise_counts_each_methods_own_tokens_and_only_real_mismatches():
@@ -52,15 +59,23 @@ def test_summarise_counts_each_methods_own_tokens_and_only_real_mismatches():
     assert summary == pytest.approx({
         "questions": 3, "tokens": 35, "tau": 35 / 15, "mtp_tokens_per_second": 20.0,
         "plain_tokens_per_second": 12.0, "lookup_tokens_per_second": 10.0, "speedup_vs_plain": 20 / 12,
-        "speedup_vs_lookup": 2.0, "mismatches": 1,
-    })  # fmt: skip
+        "speedup_vs_lookup": 2.0, "accepted_from_heads": 11, "accepted_from_lookup": 7, "mismatches": 1,
+    })  # fmt: skip  # candidates: 5 + 13 + 0 accepted, bonus tokens left out; 2 + 5 of them from lookup
+    with_heads = summarise(
+        [{**r, "heads_tokens": r["mtp_tokens"], "heads_seconds": 2 * r["mtp_seconds"]} for r in ROWS]
+    )
+    assert with_heads["heads_tokens_per_second"] == 10.0 and with_heads["speedup_vs_heads"] == 2.0
     assert summarise([{**r, "matches_plain": None} for r in ROWS])["mismatches"] is None  # sampling: not compared
 
 
 def test_markdown_prints_one_row_per_category_with_the_summary_figures():
     table = markdown({"a": summarise(ROWS[:1]), "overall": summarise(ROWS)}).splitlines()
     assert table[0].startswith("| category | questions | tau | mtp tok/s | plain tok/s | lookup tok/s | vs plain |")
-    assert table[2] == "| a | 1 | 2.50 | 20.0 | 10.0 | 20.0 | 2.00x | 1.00x | 0 |"
-    assert table[3] == "| overall | 3 | 2.33 | 20.0 | 12.0 | 10.0 | 1.67x | 2.00x | 1 |"
+    assert table[2] == "| a | 1 | 2.50 | 20.0 | 10.0 | 20.0 | 2.00x | 1.00x | 3 / 2 | 0 |"
+    assert table[3] == "| overall | 3 | 2.33 | 20.0 | 12.0 | 10.0 | 1.67x | 2.00x | 11 / 7 | 1 |"
     sampled = markdown({"overall": summarise([{**r, "matches_plain": None} for r in ROWS])})
-    assert sampled.splitlines()[-1].endswith("| 2.00x | n/a (sampling) |")
+    assert sampled.splitlines()[-1].endswith("| 2.00x | 11 / 7 | n/a (sampling) |")
+    heads = [{**r, "heads_tokens": r["mtp_tokens"], "heads_seconds": 2 * r["mtp_seconds"]} for r in ROWS]
+    table = markdown({"overall": summarise(heads)}).splitlines()
+    assert "| lookup tok/s | heads tok/s | vs plain | vs lookup | vs heads |" in table[0]
+    assert table[2] == "| overall | 3 | 2.33 | 20.0 | 12.0 | 10.0 | 10.0 | 1.67x | 2.00x | 2.00x | 11 / 7 | 1 |"

@@ -11,6 +11,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 import mtp.decoding
 from mtp.decoding import Decoder
 from mtp.heads import HEAD_TYPES, HeadsConfig
+from mtp.lookup import Lookup
 from mtp.sampling import Sampling
 from mtp.tree import Tree
 from tests.test_decoding import random_heads, reference, tiny_model
@@ -20,9 +21,9 @@ PROMPT = torch.tensor([[3, 7, 1]])
 TREE = Tree.from_paths([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
 
 
-def small_vocab_decoder(seed=0, sliding_window=None, head_type="medusa") -> Decoder:
+def small_vocab_decoder(seed=0, sliding_window=None, head_type="medusa", lookup=None) -> Decoder:
     """A 1-layer Llama (a Mistral if `sliding_window`) over 8 tokens, peaked enough that a few continuations
-    dominate, and random heads."""
+    dominate, random heads, and `lookup`."""
     torch.manual_seed(seed)
     window = {"sliding_window": sliding_window} if sliding_window else {}
     config = AutoConfig.for_model("mistral" if sliding_window else "llama", vocab_size=VOCAB, hidden_size=16,
@@ -37,7 +38,7 @@ def small_vocab_decoder(seed=0, sliding_window=None, head_type="medusa") -> Deco
     heads = HEAD_TYPES[head_type](config)
     for parameter in heads.parameters():
         torch.nn.init.normal_(parameter, std=0.5)
-    return Decoder(model, None, heads.eval(), TREE)
+    return Decoder(model, None, heads.eval(), TREE, lookup)
 
 
 def exact_joint(model, sampling: Sampling) -> dict[tuple, float]:
@@ -54,13 +55,15 @@ def exact_joint(model, sampling: Sampling) -> dict[tuple, float]:
 
 
 def sample(decoder: Decoder, sampling: Sampling, n: int) -> tuple[Counter, Counter]:
-    """n continuations of 3 tokens (seeds sampling.seed + i), and how many tokens each step settled."""
+    """n continuations of 3 tokens (seeds sampling.seed + i), and how many tokens each step settled (and, under
+    "lookup", how many accepted candidates prompt lookup alone proposed)."""
     found, settled = Counter(), Counter()
     for i in range(n):
         tokens = []
-        for step, block in enumerate(decoder.steps(PROMPT, replace(sampling, seed=sampling.seed + i))):
+        for step, (block, from_lookup) in enumerate(decoder.steps(PROMPT, replace(sampling, seed=sampling.seed + i))):
             tokens += block
             settled[len(block)] += step > 0
+            settled["lookup"] += from_lookup
             if len(tokens) >= 3:
                 break
         found[tuple(tokens[:3])] += 1
@@ -84,20 +87,23 @@ SETTINGS = [Sampling(temperature=1.0, seed=0), Sampling(temperature=0.7, top_k=6
 
 
 @pytest.mark.parametrize(
-    "sampling, sliding_window, head_type",
+    "sampling, sliding_window, head_type, lookup",
     [
-        (SETTINGS[0], None, "medusa"),
-        (SETTINGS[1], None, "medusa"),
-        (Sampling(temperature=1.0, seed=2 * 10**6), 2, "medusa"),
-        (Sampling(temperature=0.7, top_k=6, top_p=0.9, seed=3 * 10**6), None, "hydra"),
+        (SETTINGS[0], None, "medusa", None),
+        (SETTINGS[1], None, "medusa", None),
+        (Sampling(temperature=1.0, seed=2 * 10**6), 2, "medusa", None),
+        (Sampling(temperature=0.7, top_k=6, top_p=0.9, seed=3 * 10**6), None, "hydra", None),
+        (Sampling(temperature=1.0, seed=4 * 10**6), None, "medusa", Lookup(length=3, max_ngram=2)),
     ],
-    ids=["t1", "t0.7-k6-p0.9", "t1-window2", "t0.7-k6-p0.9-hydra"],  # window 2: the last 3 tokens see their last 2
+    # window 2: the last 3 tokens see their last 2; lookup: its candidates beside the heads', in the same tree
+    ids=["t1", "t0.7-k6-p0.9", "t1-window2", "t0.7-k6-p0.9-hydra", "t1-lookup"],
 )
-def test_exact_acceptance_samples_the_base_models_joint_distribution(sampling, sliding_window, head_type):
-    decoder = small_vocab_decoder(sliding_window=sliding_window, head_type=head_type)
+def test_exact_acceptance_samples_the_base_models_joint_distribution(sampling, sliding_window, head_type, lookup):
+    decoder = small_vocab_decoder(sliding_window=sliding_window, head_type=head_type, lookup=lookup)
     joint = exact_joint(decoder.base_model, sampling)
     found, settled = sample(decoder, sampling, 20_000)
-    assert settled[1] > 1000 and sum(v for k, v in settled.items() if k > 1) > 1000  # rejections and acceptances
+    assert settled[1] > 1000 and sum(v for k, v in settled.items() if k != 1) > 1000  # rejections and acceptances
+    assert lookup is None or settled["lookup"] > 1000  # lookup's own candidates were accepted, many times
     assert chi_square_z(found, joint) < 4
 
 
@@ -136,7 +142,7 @@ def test_every_sampled_token_is_in_the_support_that_top_k_and_top_p_leave(sampli
     decoder = small_vocab_decoder()
     for i in range(20):
         tokens = []
-        for block in decoder.steps(PROMPT, replace(sampling, seed=i)):
+        for block, _ in decoder.steps(PROMPT, replace(sampling, seed=i)):
             tokens += block
             if len(tokens) >= 12:
                 break
@@ -155,7 +161,7 @@ def test_temperature_zero_is_greedy_and_a_seed_makes_a_run_reproducible():
     for sampling in [Sampling(temperature=0, top_k=5, seed=3), Sampling(temperature=0.9, seed=1),
                      Sampling(temperature=0.9, seed=1), Sampling(temperature=0.9, seed=2)]:  # fmt: skip
         tokens = []
-        for block in decoder.steps(prompt, sampling):
+        for block, _ in decoder.steps(prompt, sampling):
             tokens += block
             if len(tokens) >= 24:
                 break

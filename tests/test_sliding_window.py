@@ -41,7 +41,7 @@ def test_greedy_tree_decoding_far_past_the_window_equals_generate(model_type):
         loop = Decoder(model, None, heads, TREE).steps(PROMPT)
         run = []
         while len(run) < 80:  # 12 + 80 positions: more than five windows
-            block = next(loop)
+            block, _ = next(loop)
             run += block
             lengths.append(len(block))
         tokens.append(run[:80])

@@ -1,0 +1,62 @@
+"""Heads side by side on the same held-out answers: per-head top-1 / top-5 (teacher forcing, the training
+module's own validation step) and the expected tau of the tree grown from those rank accuracies at 4 .. 64
+nodes (see `mtp.sizing`). The held-out prompts are those a training run with the same data, val_fraction and
+seed held out.
+
+    python benchmarks/heads_accuracy.py --heads heads/smollm2-135m-instruct runs/.../heads \
+        --data data/distilled --val-data data/distilled/sharegpt-greedy-256
+"""
+
+import argparse
+
+import lightning as L
+import torch
+
+from mtp.base import load_tokenizer
+from mtp.data import HeadsDataModule
+from mtp.heads import Heads
+from mtp.module import HeadsModule
+from mtp.tree import grow_tree
+
+SIZES = (4, 8, 16, 32, 64)
+
+
+def rank_accuracy(heads_path: str, data: HeadsDataModule) -> torch.Tensor:
+    """(K, RANKS): how often head k's rank-r guess is the target, over `data`'s validation answers."""
+    heads = Heads.from_pretrained(heads_path)
+    config = heads.config
+    module = HeadsModule(
+        config.base_model, config.num_heads, config.num_layers, config.lm_head, head_type=config.head_type
+    )
+    heads.check_base(config.base_model, module.base_model, load_tokenizer(config.base_model))
+    module.heads = heads  # its draft vocabulary, if any, comes with its config
+    L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False).validate(module, datamodule=data)
+    return module.rank_accuracy.compute()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--heads", nargs="+", required=True, help="heads folders")
+    parser.add_argument("--data", required=True, help="the training data (it decides the held-out prompts)")
+    parser.add_argument("--val-data", help="score these answers to the held-out prompts (default: --data's)")
+    parser.add_argument("--val-fraction", type=float, default=0.05)
+    parser.add_argument("--max-length", type=int, default=512)
+    args = parser.parse_args()
+    base = Heads.from_pretrained(args.heads[0]).config.base_model
+    data = HeadsDataModule(args.data, base, max_length=args.max_length, val_fraction=args.val_fraction,
+                           val_data=args.val_data)  # fmt: skip
+    data.setup("validate")
+    tokens = sum(int(mask.sum()) for _, mask, _ in data.val_examples)
+    print(f"{len(data.val_examples)} held-out answers, {tokens} answer tokens")
+    print("| heads | " + " | ".join(f"head {k} top-1 / top-5" for k in range(4)) + " | "
+          + " | ".join(f"tau @ {n}" for n in SIZES) + " |")  # fmt: skip
+    print("| --- " * (1 + 4 + len(SIZES)) + "|")
+    for path in args.heads:
+        accuracy = rank_accuracy(path, data)
+        _, expected = grow_tree(accuracy.tolist(), max(SIZES))
+        heads = " | ".join(f"{a[0]:.3f} / {a[:5].sum():.3f}" for a in accuracy)
+        print(f"| {path} | {heads} | " + " | ".join(f"{expected[n - 1]:.2f}" for n in SIZES) + " |")
+
+
+if __name__ == "__main__":
+    main()

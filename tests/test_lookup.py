@@ -1,0 +1,100 @@
+"""Prompt lookup: its candidates, their place in the tree, and decoding with them that stays lossless."""
+
+import pytest
+import torch
+
+from mtp.base import load_tokenizer
+from mtp.decoding import Decoder
+from mtp.heads import HEAD_TYPES
+from mtp.lookup import Lookup
+from mtp.tree import LOOKUP, Tree
+from tests.conftest import TINY_BASE
+from tests.test_decoding import PROMPT, TREE, random_heads, reference, tiny_model
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(TINY_BASE)
+
+
+def test_the_longest_suffix_that_occurred_before_proposes_what_followed_its_latest_occurrence():
+    ids = torch.tensor([5, 6, 7, 1, 9, 6, 7, 2, 3, 4, 8, 6, 7])
+    assert Lookup(length=3, max_ngram=2).propose(ids) == [2, 3, 4]  # "6 7": latest earlier one at 5
+    assert Lookup(length=3, max_ngram=3).propose(ids) == [2, 3, 4]  # "8 6 7" never occurred: falls back to 2
+    assert Lookup(length=10, max_ngram=2).propose(ids) == [2, 3, 4, 8, 6, 7]  # as far as the text goes
+    assert Lookup(max_ngram=3, min_ngram=3).propose(ids) == []  # no 3-token match, and shorter ones not allowed
+    assert Lookup(length=2, max_ngram=1).propose(torch.tensor([4, 4, 4])) == [4]  # overlapping occurrences
+    assert Lookup(max_ngram=2).propose(torch.tensor([7])) == []
+
+
+def test_bad_lookup_settings_are_refused_with_what_they_need():
+    with pytest.raises(ValueError, match="min_ngram <= max_ngram"):
+        Lookup(max_ngram=1, min_ngram=2)
+    with pytest.raises(ValueError, match="length >= 0"):
+        Lookup(length=-1)
+
+
+def test_a_graft_follows_the_heads_nodes_its_tokens_repeat_and_adds_the_rest_as_one_branch():
+    tree = Tree.from_paths([(0,), (1,), (0, 0), (0, 1)])  # nodes 1: (0,), 2: (1,), 3: (0, 0), 4: (0, 1)
+    tokens = torch.tensor([10, 20, 21, 30, 31])
+    grafted, new_tokens = tree.graft(tokens, [20, 31, 40, 41])  # follows nodes 1 and 4, then adds 40, 41
+    assert new_tokens.tolist() == [10, 20, 21, 30, 31, 40, 41]
+    assert grafted.parents.tolist() == [-1, 0, 0, 1, 1, 4, 5] and grafted.depths.tolist() == [0, 1, 1, 2, 2, 3, 4]
+    assert grafted.ranks.tolist()[5:] == [LOOKUP, LOOKUP]
+    for node in range(grafted.size):  # the mask: the node and its ancestors, read off the parents
+        ancestors, walk = {node}, node
+        while grafted.parents[walk] >= 0:
+            walk = int(grafted.parents[walk])
+            ancestors.add(walk)
+        assert set(grafted.mask[node].nonzero()[:, 0].tolist()) == ancestors
+    assert sorted(row[row >= 0].tolist() for row in grafted.retrieve) == [[0, 1, 3], [0, 1, 4, 5, 6], [0, 2]]
+    assert tree.graft(tokens, [20, 30]) == (tree, tokens)  # nothing new: the same tree, nothing verified twice
+    alone, alone_tokens = Tree.from_paths([]).graft(torch.tensor([10]), [11, 12])
+    assert alone.parents.tolist() == [-1, 0, 1] and alone_tokens.tolist() == [10, 11, 12]
+
+
+class OracleLookup(Lookup):
+    """Proposes the true continuation (right=True), or tokens that are never the next one (right=False)."""
+
+    def __init__(self, sequence: list[int], right: bool):
+        super().__init__(length=6)
+        object.__setattr__(self, "sequence", sequence)
+        object.__setattr__(self, "right", right)
+
+    def propose(self, ids):
+        truth = self.sequence[len(ids) : len(ids) + self.length]
+        return truth if self.right else [(token + 1) % 512 for token in truth]
+
+
+@pytest.mark.parametrize("right", [True, False], ids=["always-right", "always-wrong"])
+def test_lookup_that_is_always_right_or_always_wrong_changes_the_passes_never_the_output(right, tokenizer):
+    model = tiny_model()
+    input_ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    expected = reference(model, input_ids, 40)
+    lookup = OracleLookup(input_ids[0].tolist() + expected, right)
+    result = Decoder(model, tokenizer, lookup=lookup).generate(PROMPT, max_new_tokens=40)
+    assert result.token_ids == expected
+    if right:  # six candidates and the bonus token each pass, all from lookup
+        assert result.accept_lengths[:-1] == [7] * (len(result.accept_lengths) - 1)
+        assert result.lookup_accepted == sum(result.accept_lengths) - result.forward_passes
+    else:
+        assert result.accept_lengths == [1] * 39 and result.lookup_accepted == 0
+
+
+@pytest.mark.parametrize("head_type", [None, *HEAD_TYPES])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral", "phi3", "gpt_neox"])
+def test_heads_and_lookup_together_give_the_base_models_greedy_output(model_type, head_type, tokenizer):
+    model = tiny_model(model_type)
+    expected = reference(model, tokenizer(PROMPT, return_tensors="pt").input_ids, 60)
+    heads = None if head_type is None else random_heads(model, head_type=head_type)
+    result = Decoder(model, tokenizer, heads, TREE, Lookup(length=8, max_ngram=3)).generate(PROMPT, max_new_tokens=60)
+    assert result.token_ids == expected
+
+
+def test_lookup_candidates_near_the_end_of_the_output_stop_at_its_last_position(tokenizer):
+    model = tiny_model()
+    input_ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    expected = reference(model, input_ids, 11)
+    lookup = OracleLookup(input_ids[0].tolist() + expected + [1] * 20, right=True)
+    result = Decoder(model, tokenizer, lookup=lookup).generate(PROMPT, max_new_tokens=11)
+    assert result.token_ids == expected and result.accept_lengths == [7, 3]  # 1 + 7 + 3: no node past the end
