@@ -30,7 +30,8 @@ def load(
             calibration; default: the tree saved with the heads (`python -m mtp.sizing`), else the default tree.
         base_model: load this base instead of the one named in the heads' config (for example a local copy);
             it must be the same model: hidden size, vocabulary and tokenizer are checked.
-        lookup: prompt lookup's candidates beside the heads' each step (see `mtp.lookup`); None: heads alone.
+        lookup: prompt lookup's candidates beside the heads' each step (see `mtp.lookup`); default: as many
+            tokens as `mtp.sizing` chose for the heads (none if it chose none); `Lookup(0)`: none.
     """
     heads = Heads.from_pretrained(heads_path)
     name = base_model or heads.config.base_model
@@ -41,4 +42,6 @@ def load(
         chosen = named_tree(tree or DEFAULT_TREE, num_heads, heads.config.calibration)
     else:
         chosen = Tree.from_paths(heads.config.tree, num_heads=num_heads)
+    if lookup is None:
+        lookup = Lookup(heads.config.lookup)
     return Decoder(model, tokenizer, heads.to(device=device, dtype=dtype).eval(), chosen, lookup)

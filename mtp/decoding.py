@@ -68,7 +68,8 @@ class Decoder:
                 f"Attention implementation {base_model.config._attn_implementation!r} of "
                 f"{base_model.config.model_type} takes no custom 4D tree mask: load it with attn_implementation='sdpa'."
             )
-        self.base_model, self.tokenizer, self.heads, self.lookup = base_model, tokenizer, heads, lookup
+        self.base_model, self.tokenizer, self.heads = base_model, tokenizer, heads
+        self.lookup = lookup if lookup is not None and lookup.length else None
         self.tree = tree if heads is not None and tree is not None else Tree.from_paths([])
         if heads is not None and self.tree.size > 1:
             Tree.from_paths(self.tree.paths, num_heads=heads.config.num_heads)  # check the depth fits the heads
@@ -158,7 +159,7 @@ class Decoder:
                 tokens = torch.tensor([root], device=device)  # (1,) root only
                 if tree.size > 1:  # (N+1,) the root and the heads' guesses
                     tokens = self.heads.tree_tokens(last_hidden, tokens, tree, self.lm_head, self.embed, self.top_k)
-                if self.lookup is not None and self.lookup.length:  # node d sits at position prefix_len + d
+                if self.lookup is not None:  # node d sits at position prefix_len + d
                     room = max(max_length - 2 - prefix_len, 0)
                     tree, tokens = tree.graft(tokens, self.lookup.propose(sequence)[: min(room, self.lookup.length)])
                 mask = tree_attention_mask(tree.mask, tree.depths, prefix_len, self.windows, hidden.dtype)

@@ -36,6 +36,8 @@ class HeadsConfig:
     (measured by the last validation run of training); the tree search starts from it."""
     tree: list[list[int]] | None = None
     """Paths of the decoding tree chosen for these heads (see `mtp.tree`); None: the default named tree."""
+    lookup: int = 0
+    """Prompt-lookup tokens verified beside the tree each step, chosen with it by `mtp.sizing` (0: none)."""
     draft_vocab: list[int] | None = None
     """Token ids the heads' guesses are drawn from when decoding (the most frequent target tokens of the
     training data): each head's projection then scores these rows only. None: the whole vocabulary."""

@@ -39,12 +39,15 @@ class Lookup:
 def add_lookup_arguments(parser: argparse.ArgumentParser) -> None:
     """The prompt-lookup options of decode.py and mtp.bench."""
     default = Lookup()
-    parser.add_argument("--lookup", type=int, default=default.length, metavar="L",
-                        help=f"prompt lookup: verify up to L tokens copied from earlier text beside the heads' "
-                        f"guesses each step (default {default.length}; 0: off)")  # fmt: skip
+    parser.add_argument("--lookup", type=int, metavar="L",
+                        help="prompt lookup: verify up to L tokens copied from earlier text beside the heads' guesses "
+                        "each step (default: the number mtp.sizing chose for the heads, else 0: off)")  # fmt: skip
     parser.add_argument("--lookup-ngram", type=int, nargs=2, default=[default.min_ngram, default.max_ngram],
-                        metavar=("MIN", "MAX"), help="suffix lengths matched, longest first")  # fmt: skip
+                        metavar=("MIN", "MAX"), help="with --lookup: suffix lengths, longest first")  # fmt: skip
 
 
 def lookup_from(args: argparse.Namespace) -> Lookup | None:
-    return Lookup(args.lookup, min_ngram=args.lookup_ngram[0], max_ngram=args.lookup_ngram[1]) if args.lookup else None
+    """--lookup's settings; None without it."""
+    if args.lookup is None:
+        return None
+    return Lookup(args.lookup, min_ngram=args.lookup_ngram[0], max_ngram=args.lookup_ngram[1])

@@ -1,17 +1,25 @@
 """Size the decoding tree to the hardware: grow it from the heads' calibrated rank accuracies, time a decoding
 step for each tree size on this device, keep the size with the highest expected speedup, save it with the heads.
+With --lookup-data, the number of prompt-lookup tokens verified beside the tree is chosen with it.
 
-    python -m mtp.sizing --heads HEADS [--device cpu] [--dtype float32] [--max-nodes 64] [--remeasure]
+    python -m mtp.sizing --heads HEADS [--lookup-data ANSWERS] [--device cpu] [--max-nodes 64] [--remeasure]
 
 Expected tau (tokens per verification pass) of a tree is 1 (the bonus token) plus, over its candidate nodes,
 the probability that the node's whole path is right, taken as the product of the rank accuracies along it
 (heads treated as independent). At most one node per depth can be right, so this sum is the expected number
 of accepted candidates. Expected speedup over plain decoding is tau(N) * step(1) / step(N), with step(N) the
 measured time of a decoding step that verifies N tree tokens (step(1): plain one-token decoding, no heads).
+
+Prompt lookup (`mtp.lookup`) is measured on the base model's own answers (ANSWERS: chats or a folder of them,
+the first LOOKUP_SAMPLE read): at every answer token taken as the root, how often lookup proposes and how
+many tokens, and the probability L(d) that its first d tokens are the answer's next ones. With lookup, the chance
+that depth d is reached is 1 - (1 - T(d)) (1 - L(d)), T(d) the tree's own (the two treated as independent),
+and a step costs step(N + the tokens lookup adds) when it proposes, step(N) when it does not.
 """
 
 import argparse
 import json
+import math
 import os
 import platform
 import time
@@ -20,11 +28,16 @@ import torch
 
 from mtp.base import cache_dir, load_base
 from mtp.cli import user_errors
+from mtp.data import encode
 from mtp.decoding import Decoder
 from mtp.heads import Heads
+from mtp.lookup import Lookup
+from mtp.rows import read_rows, to_example
 from mtp.tree import Path, Tree, grow_tree
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # tree sizes (root included) timed on the device
+LOOKUP_LENGTHS = (0, 2, 4, 6, 8, 10)  # prompt-lookup tokens per step that sizing chooses from
+LOOKUP_SAMPLE = 200  # answers that measure prompt lookup
 
 
 def device_name(device: str) -> str:
@@ -73,10 +86,47 @@ def step_costs(measured: list[float], max_nodes: int) -> list[float]:
     return costs
 
 
+def lookup_acceptance(tokenizer, answers: str, length: int = max(LOOKUP_LENGTHS)) -> dict:
+    """Prompt lookup (default settings, at most `length` tokens) at every answer token of the first LOOKUP_SAMPLE
+    chats of `answers` taken as the root: `proposes`, the share of roots where it proposes; `tokens[l]`, the mean
+    number it proposes then when capped at l; `right[d - 1]`, the share of roots where its first d are right."""
+    lookup, roots, proposed, right = Lookup(length), 0, [0] * (length + 1), [0] * length
+    for row in read_rows(answers)[:LOOKUP_SAMPLE]:
+        example = to_example(row)
+        encoded = None if example is None else encode(tokenizer, example, max_length=4096)
+        if not isinstance(encoded, tuple):
+            continue
+        ids, mask = encoded
+        for t in mask.nonzero()[:, 0].tolist():
+            chain, truth = lookup.propose(ids[: t + 1]), ids[t + 1 : t + 1 + length].tolist()
+            roots += 1
+            for cap in range(1, length + 1):
+                proposed[cap] += min(len(chain), cap)
+            for d, (guess, token) in enumerate(zip(chain, truth, strict=False)):
+                if guess != token:
+                    break
+                right[d] += 1
+            proposed[0] += bool(chain)
+    if not roots:
+        raise ValueError(f"{answers!r} has no answer tokens: give chats with assistant answers.")
+    return {"proposes": proposed[0] / roots, "tokens": [0.0] + [n / max(proposed[0], 1) for n in proposed[1:]],
+            "right": [n / roots for n in right]}  # fmt: skip
+
+
+def depth_reached(calibration: list[list[float]], paths: list[Path]) -> list[float]:
+    """T(d) for d = 1, 2, ...: the probability that the tree of `paths` has its depth-d node right."""
+    reached = [0.0] * max(map(len, paths), default=0)
+    for path in paths:
+        reached[len(path) - 1] += math.prod(calibration[k][r] for k, r in enumerate(path))
+    return reached
+
+
 def expected_speedups(heads_path: str, device: str = "cpu", dtype: torch.dtype = torch.float32, max_nodes: int = 64,
-                      context: int = 256, remeasure: bool = False) -> dict:  # fmt: skip
+                      context: int = 256, remeasure: bool = False, lookup_data: str | None = None) -> dict:  # fmt: skip
     """Per tree size 1..max_nodes: expected tau, step seconds on this device (timed once, then cached in
-    `$MTP_CACHE/step_seconds.json`) and expected speedup; `chosen` is the size with the highest speedup."""
+    `$MTP_CACHE/step_seconds.json`) and expected speedup; `chosen` is the size with the highest speedup. With
+    `lookup_data`, `lookup[l]` holds the expected tau and speedup of each size with l lookup tokens, and
+    `chosen_lookup` the l of the best (size, l) pair (`chosen` its size)."""
     heads = Heads.from_pretrained(heads_path)
     if heads.config.calibration is None:
         raise ValueError(
@@ -95,11 +145,32 @@ def expected_speedups(heads_path: str, device: str = "cpu", dtype: torch.dtype =
         store.parent.mkdir(parents=True, exist_ok=True)
         store.with_suffix(".tmp").write_text(json.dumps(cached, indent=1))
         os.replace(store.with_suffix(".tmp"), store)
-    costs = step_costs(cached[key], len(expected))
-    speedups = [tau * costs[0] / cost for tau, cost in zip(expected, costs, strict=True)]
-    return {"size": list(range(1, len(expected) + 1)), "expected_tau": expected, "step_seconds": costs,
-            "expected_speedup": speedups, "chosen": max(range(len(speedups)), key=speedups.__getitem__) + 1,
-            "paths": paths, "device": key}  # fmt: skip
+    costs = step_costs(cached[key], len(expected) + max(LOOKUP_LENGTHS))
+    speedups = [tau * costs[0] / cost for tau, cost in zip(expected, costs, strict=False)]
+    table = {"size": list(range(1, len(expected) + 1)), "expected_tau": expected,
+             "step_seconds": costs[: len(expected)], "expected_speedup": speedups,
+             "chosen": max(range(len(speedups)), key=speedups.__getitem__) + 1,
+             "paths": paths, "device": key, "chosen_lookup": 0}  # fmt: skip
+    if lookup_data is None:
+        return table
+    measured = lookup_acceptance(tokenizer, lookup_data)
+    table["lookup"], best = {}, max(speedups)
+    for length in LOOKUP_LENGTHS[1:]:
+        taus, lookup_speedups = [], []
+        for n in table["size"]:
+            tree = depth_reached(heads.config.calibration, paths[: n - 1])
+            tree += [0.0] * (length - len(tree))
+            lookup = measured["right"][:length] + [0.0] * (len(tree) - length)
+            taus.append(1 + sum(1 - (1 - t) * (1 - q) for t, q in zip(tree, lookup, strict=True)))
+            added = n + round(measured["tokens"][length])  # nodes when lookup proposes
+            cost = measured["proposes"] * costs[added - 1] + (1 - measured["proposes"]) * costs[n - 1]
+            lookup_speedups.append(taus[-1] * costs[0] / cost)
+        table["lookup"][length] = {"expected_tau": taus, "expected_speedup": lookup_speedups}
+        if max(lookup_speedups) > best:
+            best, table["chosen_lookup"] = max(lookup_speedups), length
+            table["chosen"] = lookup_speedups.index(best) + 1
+    table["lookup_measured"] = measured
+    return table
 
 
 def size_tree(heads_path: str, **options) -> dict:
@@ -108,6 +179,7 @@ def size_tree(heads_path: str, **options) -> dict:
     table = expected_speedups(heads_path, **options)
     heads = Heads.from_pretrained(heads_path)
     heads.config.tree = [list(path) for path in table["paths"][: table["chosen"] - 1]]
+    heads.config.lookup = table["chosen_lookup"]
     heads.save_config(heads_path)
     return table
 
@@ -121,16 +193,29 @@ def main() -> None:
     parser.add_argument("--max-nodes", type=int, default=64)
     parser.add_argument("--context", type=int, default=256, help="prompt tokens before the timed steps")
     parser.add_argument("--remeasure", action="store_true", help="time the steps again, even if cached")
+    parser.add_argument("--lookup-data", help="the base model's answers (chats) that measure prompt lookup; "
+                        "without it, no lookup tokens are chosen")  # fmt: skip
     args = parser.parse_args()
     table = size_tree(args.heads, device=args.device, dtype=getattr(torch, args.dtype), max_nodes=args.max_nodes,
-                      context=args.context, remeasure=args.remeasure)  # fmt: skip
-    print(f"{table['device']}\n  size  expected tau  step ms  expected speedup")
+                      context=args.context, remeasure=args.remeasure, lookup_data=args.lookup_data)  # fmt: skip
+    lookup = table.get("lookup", {})
+    print(f"{table['device']}\n  size  expected tau  step ms  expected speedup"
+          + "".join(f"  tau / speedup, lookup {length}" for length in lookup))  # fmt: skip
     columns = zip(*(table[k] for k in ("size", "expected_tau", "step_seconds", "expected_speedup")), strict=True)
     for n, tau, cost, speedup in columns:
         chosen = "  <- chosen" if n == table["chosen"] else ""
         if n in SIZES or chosen:
-            print(f"  {n:4d}  {tau:12.2f}  {cost * 1e3:7.1f}  {speedup:16.2f}{chosen}")
-    print(f"Saved the {table['chosen']}-node tree to {args.heads}/config.json")
+            with_lookup = "".join(f"  {v['expected_tau'][n - 1]:13.2f} / {v['expected_speedup'][n - 1]:.2f}"
+                                  for v in lookup.values())  # fmt: skip
+            print(f"  {n:4d}  {tau:12.2f}  {cost * 1e3:7.1f}  {speedup:16.2f}{with_lookup}{chosen}")
+    if lookup:
+        measured = table["lookup_measured"]
+        right = ", ".join(f"{measured['right'][d - 1]:.1%}" for d in (1, 2, 4))
+        print(f"Prompt lookup proposes at {measured['proposes']:.1%} of answer tokens; its first 1, 2, 4 tokens are "
+              f"right at {right}")  # fmt: skip
+    print(
+        f"Saved the {table['chosen']}-node tree and {table['chosen_lookup']} lookup tokens to {args.heads}/config.json"
+    )
 
 
 if __name__ == "__main__":

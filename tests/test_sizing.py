@@ -71,3 +71,48 @@ def test_the_expected_speedup_is_tau_times_the_plain_step_over_the_tree_step(tmp
     # tau(N) * 0.04 / step(N): 1, 1.6 * 0.8, 1.9 * 2/3, 2.1 / 2, 2.28 * 4/9, 2.38 * 0.4, 2.48 * 0.4
     assert table["expected_speedup"] == pytest.approx([1, 1.28, 1.266667, 1.05, 1.013333, 0.952, 0.992], abs=1e-6)
     assert table["chosen"] == 2 and MedusaHeads.from_pretrained(path).config.tree == [[0]]
+
+
+def test_sizing_with_lookup_adds_its_measured_depths_and_costs_and_picks_the_best_pair(tmp_path, monkeypatch):
+    """Fixed timings and lookup figures, the expected tau and speedups by hand; load then uses the pair."""
+    monkeypatch.setenv("MTP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(mtp.sizing, "measure_steps", lambda *args, **kwargs: [0.04, 0.05, 0.06, 0.08, 0.10])
+    # lookup proposes at half the roots, two tokens at most whatever the cap; first right 50%, both 30%
+    measured = {"proposes": 0.5, "tokens": [0.0, 1.0] + [2.0] * 9, "right": [0.5, 0.3] + [0.0] * 8}
+    monkeypatch.setattr(mtp.sizing, "lookup_acceptance", lambda tokenizer, answers: measured)
+    path, _, _ = save_random_heads(tmp_path)
+    heads = MedusaHeads.from_pretrained(path)
+    heads.config.calibration = CALIBRATION + [[0.0, 0.0, 0.0]]
+    heads.save_config(path)
+    table = size_tree(path, max_nodes=7, lookup_data="answers")
+    two = table["lookup"][2]
+    # size 1: tau 1 + .5 + .3; a step costs .5 * step(1 + 2) + .5 * step(1) = .05
+    # size 2, tree (0,): depth 1 reached with 1 - .4 * .5, depth 2 with .3; .5 * step(4) + .5 * step(2) = .065
+    # size 3, + (0, 0): depth 2 reached with 1 - .7 * .7; .5 * step(5) + .5 * step(3) = .075
+    assert two["expected_tau"][:3] == pytest.approx([1.8, 2.1, 2.31])
+    assert two["expected_speedup"][:3] == pytest.approx([1.8 * 0.8, 2.1 * 0.04 / 0.065, 2.31 * 0.04 / 0.075])
+    assert table["lookup"][10] == two  # never more than 2 tokens, none right past 2: longer caps change nothing
+    assert table["chosen"] == 1 and table["chosen_lookup"] == 2  # 1.44 beats the heads alone (1.28 at size 2)
+    decoder = mtp.load(path)
+    assert decoder.tree.size == 1 and decoder.lookup.length == 2
+    assert mtp.load(path, lookup=mtp.Lookup(0)).lookup is None  # the caller can turn it off
+
+
+def test_lookup_is_measured_right_more_often_on_answers_that_copy_their_prompt(tmp_path):
+    from mtp.base import load_tokenizer
+    from tests.conftest import TINY_BASE
+
+    text = "the quick brown fox jumps over the lazy dog while seven small birds sing in the old oak tree"
+    chats = {
+        "copy": [{"role": "user", "content": f"Repeat: {text}"}, {"role": "assistant", "content": text}],
+        "new": [{"role": "user", "content": f"Repeat: {text}"}, {"role": "assistant", "content": "No, I will not."}],
+    }
+    tokenizer, found = load_tokenizer(TINY_BASE), {}
+    for name, chat in chats.items():
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
+        found[name] = mtp.sizing.lookup_acceptance(tokenizer, str(tmp_path / f"{name}.jsonl"))
+    copy, new = found["copy"], found["new"]
+    assert copy["right"][0] > 0.7 and copy["right"][3] > 0.5 and new["right"][0] < 0.3
+    for figures in (copy, new):
+        assert all(a >= b for a, b in zip(figures["right"], figures["right"][1:], strict=False))
+        assert 0 <= figures["proposes"] <= 1 and all(t <= cap for cap, t in enumerate(figures["tokens"]))
