@@ -187,11 +187,12 @@ class Heads(nn.Module):
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "config.json").write_text(json.dumps(asdict(self.config), indent=2) + "\n")
 
-    def save_pretrained(self, folder: str | Path) -> None:
-        """Write `config.json` and `model.safetensors` (heads only, never base weights)."""
+    def save_pretrained(self, folder: str | Path, dtype: torch.dtype | None = None) -> None:
+        """Write `config.json` and `model.safetensors` (heads only, never base weights), the weights in `dtype`
+        if given (bfloat16 halves the folder; loading casts them back to the heads' own dtype)."""
         self.save_config(folder)
         save_file(
-            {name: tensor.contiguous() for name, tensor in self.state_dict().items()},
+            {name: tensor.to(dtype or tensor.dtype).contiguous() for name, tensor in self.state_dict().items()},
             Path(folder) / "model.safetensors",
         )
 

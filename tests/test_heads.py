@@ -156,6 +156,12 @@ def test_heads_round_trip_through_a_folder(tiny, config, lm_head, tmp_path):
     for (name, a), (_, b) in zip(heads.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
     assert json.loads((tmp_path / "config.json").read_text())["base_model"] == TINY_BASE
+    heads.save_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)  # half the bytes, the weights rounded once
+    halved = MedusaHeads.from_pretrained(tmp_path / "bf16")
+    size = (tmp_path / "bf16" / "model.safetensors").stat().st_size
+    assert size < 0.55 * (tmp_path / "model.safetensors").stat().st_size
+    for (name, a), (_, b) in zip(heads.state_dict().items(), halved.state_dict().items(), strict=True):
+        assert b.dtype == torch.float32 and torch.equal(a.to(torch.bfloat16).float(), b), name
 
 
 def test_heads_refuse_a_base_they_were_not_trained_for(tiny, config, tmp_path):
