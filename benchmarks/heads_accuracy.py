@@ -30,7 +30,9 @@ def rank_accuracy(heads_path: str, data: HeadsDataModule) -> torch.Tensor:
     )
     heads.check_base(config.base_model, module.base_model, load_tokenizer(config.base_model))
     module.heads = heads  # its draft vocabulary, if any, comes with its config
-    L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False).validate(module, datamodule=data)
+    L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False).validate(
+        module, datamodule=data, verbose=False
+    )
     return module.rank_accuracy.compute()
 
 
@@ -42,15 +44,16 @@ def main() -> None:
     parser.add_argument("--val-fraction", type=float, default=0.05)
     parser.add_argument("--max-length", type=int, default=512)
     args = parser.parse_args()
-    base = Heads.from_pretrained(args.heads[0]).config.base_model
+    first = Heads.from_pretrained(args.heads[0]).config
+    base, num_heads = first.base_model, first.num_heads
     data = HeadsDataModule(args.data, base, max_length=args.max_length, val_fraction=args.val_fraction,
                            val_data=args.val_data)  # fmt: skip
     data.setup("validate")
     tokens = sum(int(mask.sum()) for _, mask, _ in data.val_examples)
     print(f"{len(data.val_examples)} held-out answers, {tokens} answer tokens")
-    print("| heads | " + " | ".join(f"head {k} top-1 / top-5" for k in range(4)) + " | "
+    print("| heads | " + " | ".join(f"head {k} top-1 / top-5" for k in range(num_heads)) + " | "
           + " | ".join(f"tau @ {n}" for n in SIZES) + " |")  # fmt: skip
-    print("| --- " * (1 + 4 + len(SIZES)) + "|")
+    print("| --- " * (1 + num_heads + len(SIZES)) + "|")
     for path in args.heads:
         accuracy = rank_accuracy(path, data)
         _, expected = grow_tree(accuracy.tolist(), max(SIZES))
