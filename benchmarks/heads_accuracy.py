@@ -43,11 +43,12 @@ def main() -> None:
     parser.add_argument("--val-data", help="score these answers to the held-out prompts (default: --data's)")
     parser.add_argument("--val-fraction", type=float, default=0.05)
     parser.add_argument("--max-length", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0, help="the training run's seed (it shuffles the split)")
     args = parser.parse_args()
     first = Heads.from_pretrained(args.heads[0]).config
     base, num_heads = first.base_model, first.num_heads
     data = HeadsDataModule(args.data, base, max_length=args.max_length, val_fraction=args.val_fraction,
-                           val_data=args.val_data)  # fmt: skip
+                           val_data=args.val_data, seed=args.seed)  # fmt: skip
     data.setup("validate")
     tokens = sum(int(mask.sum()) for _, mask, _ in data.val_examples)
     print(f"{len(data.val_examples)} held-out answers, {tokens} answer tokens")

@@ -26,13 +26,16 @@ class Lookup:
             )
 
     def propose(self, ids: torch.Tensor) -> list[int]:
-        """The tokens that followed the latest earlier occurrence of the last n tokens of `ids` (1D), n from
-        max_ngram down to min_ngram; at most `length` of them, none if no suffix occurred before."""
+        """The tokens that followed an earlier occurrence of the last n tokens of `ids` (1D), n from max_ngram
+        down to min_ngram: the latest occurrence followed by `length` tokens, else the latest one; none if no
+        suffix occurred before."""
         for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):
-            starts = (ids.unfold(0, n, 1)[:-1] == ids[-n:]).all(1).nonzero()  # earlier windows equal to the suffix
+            starts = (ids.unfold(0, n, 1)[:-1] == ids[-n:]).all(1).nonzero()[:, 0]  # earlier windows equal to it
             if len(starts):
-                after = int(starts[-1]) + n
-                return ids[after : after + self.length].tolist()
+                after = starts + n  # (M,) where each occurrence's continuation begins
+                full = after[after + self.length <= len(ids)]
+                begin = int(full[-1] if len(full) else after[-1])
+                return ids[begin : begin + self.length].tolist()
         return []
 
 

@@ -71,25 +71,27 @@ def measure_steps(model, tokenizer, heads: Heads, paths: list[Path], context: in
 
 
 def step_costs(measured: list[float], max_nodes: int) -> list[float]:
-    """Seconds per step for every size 1..max_nodes: linear between the timed sizes, flat past the last one,
-    and never decreasing (a bigger tree never costs less; a dip is timing noise)."""
+    """Seconds per step for every size 1..max_nodes: linear between the timed sizes, and past the last one along
+    the last two's line; never decreasing (a bigger tree never costs less; a dip is timing noise)."""
     sizes = SIZES[: len(measured)]
     costs = []
     for n in range(1, max_nodes + 1):
         i = max(j for j, s in enumerate(sizes) if s <= n)
-        if i + 1 < len(sizes):
-            frac = (n - sizes[i]) / (sizes[i + 1] - sizes[i])
-            costs.append(measured[i] + frac * (measured[i + 1] - measured[i]))
+        j = min(i, len(sizes) - 2)  # past the last timed size: the line through the last two
+        if j < 0:
+            costs.append(measured[0])
         else:
-            costs.append(measured[i])
+            frac = (n - sizes[j]) / (sizes[j + 1] - sizes[j])
+            costs.append(measured[j] + frac * (measured[j + 1] - measured[j]))
         costs[-1] = max(costs[-1], costs[-2] if len(costs) > 1 else 0.0)
     return costs
 
 
 def lookup_acceptance(tokenizer, answers: str, length: int = max(LOOKUP_LENGTHS)) -> dict:
-    """Prompt lookup (default settings, at most `length` tokens) at every answer token of the first LOOKUP_SAMPLE
-    chats of `answers` taken as the root: `proposes`, the share of roots where it proposes; `tokens[l]`, the mean
-    number it proposes then when capped at l; `right[d - 1]`, the share of roots where its first d are right."""
+    """Prompt lookup (default settings, at most `length` tokens) at every answer token that another follows, in
+    the first LOOKUP_SAMPLE chats of `answers`, taken as the root: `proposes`, the share of roots where it
+    proposes; `tokens[l]`, the mean number it proposes then when capped at l; `right[d - 1]`, the share of roots
+    where its first d are right (against the answer's own next tokens)."""
     lookup, roots, proposed, right = Lookup(length), 0, [0] * (length + 1), [0] * length
     for row in read_rows(answers)[:LOOKUP_SAMPLE]:
         example = to_example(row)
@@ -97,8 +99,9 @@ def lookup_acceptance(tokenizer, answers: str, length: int = max(LOOKUP_LENGTHS)
         if not isinstance(encoded, tuple):
             continue
         ids, mask = encoded
-        for t in mask.nonzero()[:, 0].tolist():
-            chain, truth = lookup.propose(ids[: t + 1]), ids[t + 1 : t + 1 + length].tolist()
+        for t in (mask[:-1] & mask[1:]).nonzero()[:, 0].tolist():  # roots that an answer token follows
+            chain, truth = lookup.propose(ids[: t + 1]), ids[t + 1 : t + 1 + length]
+            truth = truth[: int(mask[t + 1 : t + 1 + length].int().cumprod(0).sum())].tolist()  # the answer's own
             roots += 1
             for cap in range(1, length + 1):
                 proposed[cap] += min(len(chain), cap)

@@ -34,7 +34,8 @@ def test_bench_writes_its_json_and_table_and_finds_no_mismatch(tmp_path, samplin
     assert overall["accepted_from_heads"] + overall["accepted_from_lookup"] == sum(
         sum(q["accept_lengths"]) - q["forward_passes"] for q in questions
     )
-    assert not greedy or all(row["heads_tokens"] == row["mtp_tokens"] for row in questions)  # the same text
+    assert overall["accepted_from_lookup"] == sum(q["lookup_accepted"] for q in questions)
+    assert not greedy or all(row["heads_tokens"] == row["mtp_tokens"] for row in questions)  # as many tokens
     # greedy: every output equals plain generate's; sampling: outputs differ by chance, nothing is compared
     assert all(row["matches_plain"] is (True if greedy else None) for row in report["questions"])
     assert report["settings"]["temperature"] == (0.0 if greedy else 0.7)

@@ -17,13 +17,15 @@ def tokenizer():
     return load_tokenizer(TINY_BASE)
 
 
-def test_the_longest_suffix_that_occurred_before_proposes_what_followed_its_latest_occurrence():
+def test_the_longest_suffix_that_occurred_before_proposes_what_followed_its_latest_full_occurrence():
     ids = torch.tensor([5, 6, 7, 1, 9, 6, 7, 2, 3, 4, 8, 6, 7])
     assert Lookup(length=3, max_ngram=2).propose(ids) == [2, 3, 4]  # "6 7": latest earlier one at 5
     assert Lookup(length=3, max_ngram=3).propose(ids) == [2, 3, 4]  # "8 6 7" never occurred: falls back to 2
-    assert Lookup(length=10, max_ngram=2).propose(ids) == [2, 3, 4, 8, 6, 7]  # as far as the text goes
+    assert Lookup(length=10, max_ngram=2).propose(ids) == [1, 9, 6, 7, 2, 3, 4, 8, 6, 7]  # the latest with 10 after
+    assert Lookup(length=11, max_ngram=2).propose(ids) == [2, 3, 4, 8, 6, 7]  # none with 11: the latest
     assert Lookup(max_ngram=3, min_ngram=3).propose(ids) == []  # no 3-token match, and shorter ones not allowed
-    assert Lookup(length=2, max_ngram=1).propose(torch.tensor([4, 4, 4])) == [4]  # overlapping occurrences
+    assert Lookup(length=2, max_ngram=1).propose(torch.tensor([4, 4, 4])) == [4, 4]  # the latest with 2 after it
+    assert Lookup(length=2, max_ngram=1).propose(torch.tensor([5, 4, 4, 4, 4])) == [4, 4]
     assert Lookup(max_ngram=2).propose(torch.tensor([7])) == []
 
 
@@ -89,6 +91,7 @@ def test_heads_and_lookup_together_give_the_base_models_greedy_output(model_type
     heads = None if head_type is None else random_heads(model, head_type=head_type)
     result = Decoder(model, tokenizer, heads, TREE, Lookup(length=8, max_ngram=3)).generate(PROMPT, max_new_tokens=60)
     assert result.token_ids == expected
+    assert result.lookup_accepted > 0  # random models repeat themselves: lookup's own candidates were accepted
 
 
 def test_lookup_candidates_near_the_end_of_the_output_stop_at_its_last_position(tokenizer):
