@@ -30,7 +30,8 @@ class HeadsConfig:
     hidden_size: int = 0
     vocab_size: int = 0
     tokenizer_fingerprint: str = ""
-    """sha256 (first 16 hex digits) of the base tokenizer's sorted vocabulary."""
+    """sha256 (first 16 hex digits) of the base tokenizer's sorted vocabulary ("": unknown, for heads imported
+    from a FasterDecoding Medusa checkpoint; then only the sizes are checked)."""
     calibration: list[list[float]] | None = None
     """calibration[k][r]: fraction of held-out positions where head k's rank-r guess (r from 0) was the token
     (measured by the last validation run of training); the tree search starts from it."""
@@ -175,7 +176,9 @@ class Heads(nn.Module):
     def check_base(self, name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
         """Raise if these heads were trained for a base other than (model, tokenizer)."""
         other = HeadsConfig(**{**asdict(self.config), **base_identity(name, model, tokenizer)})
-        pinned = ("hidden_size", "vocab_size", "tokenizer_fingerprint")
+        pinned = ("hidden_size", "vocab_size") + (
+            ("tokenizer_fingerprint",) if self.config.tokenizer_fingerprint else ()
+        )
         if any(getattr(self.config, field) != getattr(other, field) for field in pinned):
             raise ValueError(
                 f"These heads were trained for base model {self.config.identity()}, not for {other.identity()}: "
@@ -198,20 +201,50 @@ class Heads(nn.Module):
 
     @staticmethod
     def from_pretrained(folder: str | Path) -> "Heads":
-        """Heads saved by `save_pretrained`, of the kind their config names (`head_type`)."""
+        """Heads saved by `save_pretrained`, of the kind their config names (`head_type`), or a FasterDecoding
+        Medusa checkpoint (see `_from_faster_decoding`)."""
         folder = Path(folder)
-        for file in ("config.json", "model.safetensors"):
-            if not (folder / file).is_file():
-                raise FileNotFoundError(
-                    f"{folder / file} does not exist: point at a folder written by save_pretrained."
-                )
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"{folder / 'config.json'} does not exist: point at a folder of heads.")
         raw = json.loads((folder / "config.json").read_text())
+        if "medusa_num_heads" in raw:
+            return Heads._from_faster_decoding(folder, raw)
+        if not (folder / "model.safetensors").is_file():
+            raise FileNotFoundError(
+                f"{folder / 'model.safetensors'} does not exist: point at a folder written by save_pretrained."
+            )
         unknown = set(raw) - {field.name for field in fields(HeadsConfig)}
         if unknown:
             raise ValueError(f"{folder / 'config.json'} has unknown keys {sorted(unknown)}: not a heads folder?")
         config = HeadsConfig(**raw)
         heads = HEAD_TYPES[config.head_type](config)
         heads.load_state_dict(load_file(folder / "model.safetensors"))
+        return heads
+
+    @staticmethod
+    def _from_faster_decoding(folder: Path, raw: dict) -> "MedusaHeads":
+        """Medusa heads trained by FasterDecoding/Medusa: `config.json` with `medusa_num_heads`,
+        `medusa_num_layers` and `base_model_name_or_path`, weights in `medusa_lm_head.safetensors` (or `.pt`),
+        head h being blocks `{h}.{l}.linear.weight|bias` then its own projection `{h}.{medusa_num_layers}.weight`."""
+        files = [folder / f"medusa_lm_head.{ext}" for ext in ("safetensors", "pt")]
+        found = next((file for file in files if file.is_file()), None)
+        if found is None:
+            raise FileNotFoundError(f"{files[0]} (or .pt) does not exist: a Medusa checkpoint keeps its heads there.")
+        weights = load_file(found) if found.suffix == ".safetensors" else torch.load(found, weights_only=True)
+        num_heads, num_layers = raw["medusa_num_heads"], raw.get("medusa_num_layers", 1)
+        vocab_size, hidden_size = weights.get(f"0.{num_layers}.weight", torch.empty(0, 0)).shape
+        config = HeadsConfig(num_heads=num_heads, num_layers=num_layers, lm_head="own", hidden_size=hidden_size,
+                             vocab_size=vocab_size, base_model=raw.get("base_model_name_or_path") or "")  # fmt: skip
+        names = {f"projections.{h}.weight": f"{h}.{num_layers}.weight" for h in range(num_heads)}
+        for h in range(num_heads):
+            for i in range(num_layers):
+                names |= {f"blocks.{h}.{i}.linear.{p}": f"{h}.{i}.linear.{p}" for p in ("weight", "bias")}
+        missing = sorted(set(names.values()) - set(weights))
+        if missing:
+            raise ValueError(f"{found} lacks {missing[:3]}: not the heads of a {num_heads}-head Medusa checkpoint.")
+        ours = {name: weights[theirs] for name, theirs in names.items()}
+        heads = MedusaHeads(config)
+        heads.load_state_dict(ours)
         return heads
 
 
