@@ -14,9 +14,9 @@ class HeadsCLI(LightningCLI):
 
 
 @user_errors
-def main(args=None):
+def main(args=None) -> HeadsCLI:
     precision = "bf16-mixed" if torch.cuda.is_available() else "32-true"
-    HeadsCLI(HeadsModule, HeadsDataModule, trainer_defaults={"precision": precision}, args=args)
+    return HeadsCLI(HeadsModule, HeadsDataModule, trainer_defaults={"precision": precision}, args=args)
 
 
 if __name__ == "__main__":

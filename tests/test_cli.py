@@ -77,3 +77,20 @@ def test_two_process_ddp_on_cpu(tmp_path):
     assert "world_size: 2" in done.stderr or "MEMBER: 2/2" in done.stderr
     (run,) = Path(tmp_path, "lightning_logs").iterdir()
     assert (run / "heads" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("gpu-*.yaml")), ids=lambda path: path.name)
+def test_every_gpu_recipe_instantiates_and_runs_a_step_with_the_tiny_model_swapped_in(config, tmp_path):
+    """Everything a GPU recipe sets but the hardware, the model and the data: heads, loss, optimizer, schedule."""
+    recipe = yaml.safe_load(config.read_text())
+    assert recipe["trainer"]["precision"] == "bf16-mixed" and recipe["trainer"]["devices"] >= 2
+    assert recipe["data"]["distill"]["prompts"]  # self-distilled, by a datasets id
+    cli = main(["fit", "--config", str(config), "--model.base_model", str(ROOT / "configs" / "models" / "tiny-llama" /
+                "config.json"), "--data.data", str(ROOT / "data" / "tiny_chat.jsonl"), "--data.distill", "null",
+                "--data.val_fraction", "0.125", "--trainer.accelerator", "cpu", "--trainer.devices", "1",
+                "--trainer.strategy", "auto", "--trainer.precision", "32-true", "--trainer.fast_dev_run", "true",
+                "--trainer.default_root_dir", str(tmp_path)])  # fmt: skip
+    assert cli.trainer.state.finished and cli.trainer.global_step == 1
+    heads = cli.model.heads.config
+    assert heads.num_heads == recipe["model"]["num_heads"] and heads.lm_head == recipe["model"]["lm_head"]
+    assert heads.head_type == recipe["model"].get("head_type", "medusa")
