@@ -23,7 +23,8 @@ def load(
     """A decoder with the heads in `heads_path` and the base model they were trained for.
 
     Args:
-        heads_path: a folder written at the end of training (`config.json` + `model.safetensors`).
+        heads_path: a folder written at the end of training (`config.json` + `model.safetensors`), a
+            FasterDecoding Medusa checkpoint folder, or the Hub repository id (`owner/name`) of either.
         device: torch device.
         dtype: parameter dtype of the base model and heads.
         tree: a named tree (see `mtp.tree.NAMED_TREES`) or a number N, the N-node tree grown from the heads'

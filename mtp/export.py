@@ -1,6 +1,7 @@
-"""Export heads for serving elsewhere.
+"""Export heads for serving elsewhere, or publish them.
 
     python -m mtp.export --heads HEADS --to vllm --out DIR
+    python -m mtp.export --heads HEADS --to hub --repo OWNER/NAME --data "..." --tau "..."
 
 `vllm`: the layout of vLLM's Medusa draft model (`vllm/model_executor/models/medusa.py` and its `MedusaConfig`):
 `config.json` with `model_type: medusa`, and `model.safetensors` holding, per head h and block l,
@@ -12,10 +13,17 @@ projections). vLLM's Medusa model reads the hidden state alone, so Hydra heads, 
 path, cannot be exported to it. Serve (vLLM, on a GPU; not run here):
 
     vllm serve BASE --speculative-config '{"method": "medusa", "model": "DIR", "num_speculative_tokens": 4}'
+
+`hub`: the heads folder as it is, with a model card (README.md) that states the base model, the heads, the data
+they learned (--data), their calibration, the tree and lookup sized for them, and the tau measured with them
+(--tau), uploaded to a Hub model repository (created if missing; needs a Hub token). `mtp.load`, `decode.py
+--heads` and `mtp.bench --heads` take that repository id as they take a folder.
 """
 
 import argparse
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -64,13 +72,71 @@ def to_vllm(heads: Heads, base_lm_head: torch.Tensor, out: str | Path) -> Path:
     return out
 
 
+def model_card(heads: Heads, repo_id: str, data: str, tau: str) -> str:
+    """A Hub model card for `heads`: the base, the heads, the data, the calibration, the tree, the measured tau."""
+    config = heads.config
+    calibration = "not measured (no validation split)"
+    if config.calibration:
+        calibration = ", ".join(
+            f"head {k} {row[0]:.3f} / {sum(row[:5]):.3f}" for k, row in enumerate(config.calibration)
+        )
+    vocabulary = "the whole vocabulary" if config.draft_vocab is None else f"{len(config.draft_vocab)} draft tokens"
+    tree = "the default tree" if config.tree is None else f"{len(config.tree) + 1} nodes"
+    return f"""---
+base_model: {config.base_model}
+tags: [mtp, {config.head_type}, speculative-decoding]
+---
+# {config.head_type.capitalize()} heads for {config.base_model}
+
+{config.num_heads} {config.head_type} heads of {config.num_layers} residual block(s), trained with mtp on the frozen
+base model `{config.base_model}` (hidden size {config.hidden_size}, vocabulary {config.vocab_size}); projection:
+{"the base model's lm_head" if config.lm_head == "shared" else "one of their own each"}, over {vocabulary}.
+
+- Data: {data}
+- Calibration (held-out top-1 / top-5 per head): {calibration}
+- Decoding tree: {tree}; prompt-lookup tokens per step: {config.lookup}
+- Measured: {tau}
+
+Decoding is lossless: greedy output equals the base model's own greedy output, token for token.
+
+```bash
+python decode.py --heads {repo_id} --prompt "Why is the sky blue?"
+```
+"""
+
+
+def to_hub(heads_path: str, repo_id: str, data: str, tau: str, private: bool = False) -> str:
+    """Upload the heads folder with its model card to Hub repository `repo_id`; returns the repository's URL."""
+    from huggingface_hub import HfApi
+
+    heads = Heads.from_pretrained(heads_path)
+    with tempfile.TemporaryDirectory() as folder:
+        shutil.copytree(heads_path, folder, dirs_exist_ok=True)  # the folder as it is, and its card
+        (Path(folder) / "README.md").write_text(model_card(heads, repo_id, data, tau))
+        api = HfApi()
+        url = api.create_repo(repo_id, private=private, exist_ok=True)
+        api.upload_folder(folder_path=folder, repo_id=repo_id, commit_message="Heads trained with mtp")
+    return str(url)
+
+
 @user_errors
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", required=True, help="heads folder")
-    parser.add_argument("--to", required=True, choices=["vllm"], help="the layout to write")
-    parser.add_argument("--out", required=True, help="folder to write")
+    parser.add_argument("--to", required=True, choices=["vllm", "hub"], help="vLLM's layout, or the Hub")
+    parser.add_argument("--out", help="--to vllm: the folder to write")
+    parser.add_argument("--repo", help="--to hub: the repository id, OWNER/NAME")
+    parser.add_argument("--data", help="--to hub: what the heads learned, for the model card")
+    parser.add_argument("--tau", help="--to hub: the tau measured with them and how, for the model card")
+    parser.add_argument("--private", action="store_true", help="--to hub: a private repository")
     args = parser.parse_args()
+    needed = ["out"] if args.to == "vllm" else ["repo", "data", "tau"]
+    missing = [f"--{name}" for name in needed if not getattr(args, name)]
+    if missing:
+        parser.error(f"--to {args.to} needs {', '.join(missing)}")
+    if args.to == "hub":
+        print(f"Uploaded {args.heads} to {to_hub(args.heads, args.repo, args.data, args.tau, args.private)}")
+        return
     heads = Heads.from_pretrained(args.heads)
     model, tokenizer = load_base(heads.config.base_model)
     heads.check_base(heads.config.base_model, model, tokenizer)

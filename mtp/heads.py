@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -10,6 +11,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+HEADS_FILES = ["config.json", "model.safetensors", "medusa_lm_head.*", "README.md"]  # what a heads folder holds
 
 
 @dataclass
@@ -66,6 +69,25 @@ def base_identity(name: str, model: PreTrainedModel, tokenizer: PreTrainedTokeni
     vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
     fingerprint = hashlib.sha256(vocab.encode()).hexdigest()[:16]
     return dict(base_model=name, hidden_size=hidden_size, vocab_size=vocab_size, tokenizer_fingerprint=fingerprint)
+
+
+def is_repo_id(name: str) -> bool:
+    """`owner/name`: a Hub repository id rather than a path (a missing local folder is never fetched)."""
+    return re.fullmatch(r"[\w.-]+/[\w.-]+", name) is not None and not name.startswith((".", "/"))
+
+
+def from_hub(repo_id: str) -> Path:
+    """The local copy of the heads in Hub repository `repo_id` (downloaded once into the Hub cache)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HEADS_FILES))
+    except Exception as error:  # offline, a missing repository, no access: one message says which and what to do
+        raise FileNotFoundError(
+            f"{repo_id!r} is not a local folder, and the Hub repository of that name could not be fetched "
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}): give a folder of heads, "
+            f"or check the id and the network."
+        ) from error
 
 
 class ResidualBlock(nn.Module):
@@ -202,8 +224,8 @@ class Heads(nn.Module):
     @staticmethod
     def from_pretrained(folder: str | Path) -> "Heads":
         """Heads saved by `save_pretrained`, of the kind their config names (`head_type`), or a FasterDecoding
-        Medusa checkpoint (see `_from_faster_decoding`)."""
-        folder = Path(folder)
+        Medusa checkpoint (see `_from_faster_decoding`); `folder` may also be a Hub repository id that holds one."""
+        folder = Path(folder) if Path(folder).is_dir() or not is_repo_id(str(folder)) else from_hub(str(folder))
         if not (folder / "config.json").is_file():
             raise FileNotFoundError(f"{folder / 'config.json'} does not exist: point at a folder of heads.")
         raw = json.loads((folder / "config.json").read_text())

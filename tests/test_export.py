@@ -1,6 +1,7 @@
 """Export to vLLM's Medusa layout: the names, shapes and values its loader expects, and what it cannot take."""
 
 import json
+import shutil
 import sys
 
 import pytest
@@ -84,3 +85,49 @@ def test_the_command_writes_the_folder(tmp_path, monkeypatch, capsys):
     mtp.export.main()
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
     assert "Wrote vLLM Medusa heads" in capsys.readouterr().out
+
+
+def test_heads_are_published_with_a_model_card_and_load_back_by_repository_id(tmp_path, monkeypatch):
+    """Offline: the Hub client is replaced by one that keeps what is uploaded in a local folder."""
+    import huggingface_hub
+
+    path, _, _ = save_random_heads(tmp_path)
+    heads = Heads.from_pretrained(path)
+    heads.config.calibration = [[0.5, 0.1, 0.05, 0.05, 0.05], [0.3, 0.1, 0.1, 0.0, 0.0], [0.2] + [0.0] * 4]
+    heads.save_config(path)
+    hub = tmp_path / "hub"
+
+    class LocalHub:
+        def create_repo(self, repo_id, private=False, exist_ok=False):
+            (hub / repo_id).mkdir(parents=True, exist_ok=exist_ok)
+            return f"local://{repo_id}"
+
+        def upload_folder(self, folder_path, repo_id, commit_message):
+            shutil.copytree(folder_path, hub / repo_id, dirs_exist_ok=True)
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", LocalHub)
+    url = mtp.export.to_hub(path, "someone/tiny-heads", "tiny chats", "tau 1.50 on 3 questions")
+    assert url == "local://someone/tiny-heads"
+    card = (hub / "someone" / "tiny-heads" / "README.md").read_text()
+    assert "base_model: " + heads.config.base_model in card and "Data: tiny chats" in card
+    assert "head 0 0.500 / 0.750" in card and "Measured: tau 1.50 on 3 questions" in card
+    assert "--heads someone/tiny-heads" in card
+
+    fetched = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo_id, allow_patterns: fetched.append(repo_id) or str(hub / repo_id))  # fmt: skip
+    loaded = Heads.from_pretrained("someone/tiny-heads")
+    assert fetched == ["someone/tiny-heads"] and loaded.config == heads.config
+    for a, b in zip(heads.state_dict().values(), loaded.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_repository_that_cannot_be_fetched_is_a_clear_error(monkeypatch):
+    import huggingface_hub
+
+    def offline(repo_id, allow_patterns):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(FileNotFoundError, match="'someone/missing' is not a local folder.*ConnectionError: no network"):
+        Heads.from_pretrained("someone/missing")
