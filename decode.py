@@ -54,8 +54,9 @@ def typed_turns():
 @user_errors
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--heads", help=f"heads folder (default: {SHIPPED_HEADS.relative_to(Path(__file__).parent)}, "
-                        "unless --base-model is given: then plain decoding of it)")  # fmt: skip
+    parser.add_argument("--heads", help="heads folder or Hub repository id (default: "
+                        f"{SHIPPED_HEADS.relative_to(Path(__file__).parent)}, unless --base-model is given: then "
+                        "decoding of it without heads)")  # fmt: skip
     parser.add_argument("--base-model", help=f"base model to use (default: the heads' own, else {DEFAULT_BASE})")
     parser.add_argument("--prompt", help="one prompt (sent as a user message when the model has a chat template)")
     parser.add_argument("--prompts-file", help="JSON lines with `turns` (MT-Bench), `prompt` or `text`")
