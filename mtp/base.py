@@ -48,7 +48,32 @@ def load_base(
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
     else:
         model = AutoModelForCausalLM.from_pretrained(_resolve(name), dtype=dtype)
-    return model.to(device=device, dtype=dtype).eval(), load_tokenizer(name)
+    model = model.to(device=device, dtype=dtype).eval()
+    if torch.device(device).type == "cpu":
+        narrow_linears(model)
+    return model, load_tokenizer(name)
+
+
+NARROW = 16  # rows up to which a CPU linear layer multiplies weight @ input.T (see `narrow_linears`)
+
+
+def narrow_linears(model: torch.nn.Module) -> None:
+    """Make the model's linear layers compute W x^T for 2 to NARROW input rows (a verification pass over a small
+    tree) instead of x W^T: on a CPU, PyTorch's x W^T with a few rows runs far slower than one row (measured here:
+    30 layers of SmolLM2's shapes, 54 ms for 2 rows against 36 ms for 1), while W x^T with 2 to 8 rows runs
+    faster than one row (23-33 ms). The product is the same up to float rounding order; one row, and many
+    (a prefill, a training batch), keep the usual path."""
+
+    def forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if not 1 < rows <= NARROW:
+            return torch.nn.functional.linear(x, layer.weight, layer.bias)
+        out = (layer.weight @ x.reshape(rows, -1).T).T.reshape(*x.shape[:-1], -1)
+        return out if layer.bias is None else out + layer.bias
+
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            module.forward = forward.__get__(module)
 
 
 def load_tokenizer(name: str = DEFAULT_BASE) -> PreTrainedTokenizerBase:

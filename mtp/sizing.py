@@ -11,7 +11,7 @@ of accepted candidates. Expected speedup over plain decoding is tau(N) * step(1)
 measured time of a decoding step that verifies N tree tokens (step(1): plain one-token decoding, no heads).
 
 Prompt lookup (`mtp.lookup`) is measured on the base model's own answers (ANSWERS: chats or a folder of them,
-the first LOOKUP_SAMPLE read): at every answer token taken as the root, how often lookup proposes and how
+LOOKUP_SAMPLE of them, spread over the file): at every answer token taken as the root, how often lookup proposes and how
 many tokens, and the probability L(d) that its first d tokens are the answer's next ones. With lookup, the chance
 that depth d is reached is 1 - (1 - T(d)) (1 - L(d)), T(d) the tree's own (the two treated as independent),
 and a step costs step(N + the tokens lookup adds) when it proposes, step(N) when it does not.
@@ -89,11 +89,12 @@ def step_costs(measured: list[float], max_nodes: int) -> list[float]:
 
 def lookup_acceptance(tokenizer, answers: str, length: int = max(LOOKUP_LENGTHS)) -> dict:
     """Prompt lookup (default settings, at most `length` tokens) at every answer token that another follows, in
-    the first LOOKUP_SAMPLE chats of `answers`, taken as the root: `proposes`, the share of roots where it
+    LOOKUP_SAMPLE chats spread evenly over `answers`, taken as the root: `proposes`, the share of roots where it
     proposes; `tokens[l]`, the mean number it proposes then when capped at l; `right[d - 1]`, the share of roots
     where its first d are right (against the answer's own next tokens)."""
     lookup, roots, proposed, right = Lookup(length), 0, [0] * (length + 1), [0] * length
-    for row in read_rows(answers)[:LOOKUP_SAMPLE]:
+    rows = read_rows(answers)
+    for row in rows[:: max(len(rows) // LOOKUP_SAMPLE, 1)][:LOOKUP_SAMPLE]:  # spread over the file
         example = to_example(row)
         encoded = None if example is None else encode(tokenizer, example, max_length=4096)
         if not isinstance(encoded, tuple):
@@ -139,8 +140,10 @@ def expected_speedups(heads_path: str, device: str = "cpu", dtype: torch.dtype =
     paths, expected = grow_tree(heads.config.calibration, max_nodes)
     model, tokenizer = load_base(heads.config.base_model, device=device, dtype=dtype)
     heads.check_base(heads.config.base_model, model, tokenizer)
-    key = " | ".join([device_name(device), str(dtype), heads.config.identity(), f"{heads.config.num_heads} heads",
-                      heads.config.lm_head, f"context {context}"])  # fmt: skip
+    config = heads.config
+    heads_kind = f"{config.num_heads} {config.head_type} heads"
+    key = " | ".join([device_name(device), str(dtype), config.identity(), heads_kind, config.lm_head,
+                      f"context {context}"])  # fmt: skip
     store = cache_dir() / "step_seconds.json"
     cached = json.loads(store.read_text()) if store.is_file() else {}
     if remeasure or len(cached.get(key, [])) < len([s for s in SIZES if s <= len(paths) + 1]):

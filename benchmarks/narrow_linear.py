@@ -1,0 +1,43 @@
+"""Why `mtp.base.narrow_linears` exists: on a CPU, the two ways of multiplying a few input rows by a linear layer's
+weight differ in speed. Over 30 layers of SmolLM2-135M's seven weight shapes (distinct random weights, so the
+weights stream from memory as in a real pass), the median of 7 runs per row count, in one run:
+
+    python benchmarks/narrow_linear.py
+
+x W^T is what `torch.nn.functional.linear` computes; W x^T is the narrow path, the same product.
+"""
+
+import time
+
+import torch
+from torch.nn import functional as F
+
+HIDDEN, INTERMEDIATE = 576, 1536
+SHAPES = [(HIDDEN, HIDDEN), (192, HIDDEN), (192, HIDDEN), (HIDDEN, HIDDEN), (INTERMEDIATE, HIDDEN),
+          (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]  # fmt: skip  # q, k, v, o, gate, up, down
+
+
+def seconds(weights: list[torch.Tensor], rows: int, narrow: bool) -> float:
+    inputs = {width: torch.randn(rows, width) for width in (HIDDEN, INTERMEDIATE)}
+    start = time.perf_counter()
+    for weight in weights:
+        x = inputs[weight.shape[1]]
+        (weight @ x.T).T if narrow else F.linear(x, weight)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    weights = [torch.randn(out, width) for _ in range(30) for out, width in SHAPES]
+    print(f"{sum(w.numel() for w in weights) * 4 / 1e6:.0f} MB of weights, {torch.get_num_threads()} threads")
+    print("| rows | x W^T ms | W x^T ms | x W^T against 1 row | W x^T against 1 row |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    one = None
+    for rows in (1, 2, 4, 8, 16, 32):
+        plain, narrow = (sorted(seconds(weights, rows, n) for _ in range(7))[3] for n in (False, True))
+        one = one or plain
+        print(f"| {rows} | {plain * 1e3:.1f} | {narrow * 1e3:.1f} | {plain / one:.2f} | {narrow / one:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
