@@ -49,7 +49,8 @@ def test_the_first_heads_alone_give_the_first_rows_of_all_heads(tiny, config, lm
     hidden = torch.randn(4, config.hidden_size)
     every = heads(hidden, model.get_output_embeddings())  # (3, 4, V)
     first = heads(hidden, model.get_output_embeddings(), num_heads=2)  # (2, 4, V)
-    assert first.shape[0] == 2 and torch.equal(first, every[:2]) and not torch.equal(every[1], every[2])
+    assert first.shape[0] == 2 and not torch.equal(every[1], every[2])
+    torch.testing.assert_close(first, every[:2], rtol=1e-5, atol=1e-6)  # the lm_head's kernel may round otherwise
 
 
 @pytest.mark.parametrize("lm_head", ["shared", "own"])
