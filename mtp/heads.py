@@ -12,7 +12,8 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-HEADS_FILES = ["config.json", "model.safetensors", "medusa_lm_head.*", "README.md"]  # what a heads folder holds
+HEADS_FILES = ["config.json", "model*.safetensors", "medusa_lm_head.*", "README.md"]  # what a heads folder holds
+SHARD_BYTES = 8_000_000  # weights past this are written in parts (model-00001-of-0000N.safetensors), small files
 
 
 @dataclass
@@ -213,13 +214,21 @@ class Heads(nn.Module):
         (folder / "config.json").write_text(json.dumps(asdict(self.config), indent=2) + "\n")
 
     def save_pretrained(self, folder: str | Path, dtype: torch.dtype | None = None) -> None:
-        """Write `config.json` and `model.safetensors` (heads only, never base weights), the weights in `dtype`
-        if given (bfloat16 halves the folder; loading casts them back to the heads' own dtype)."""
+        """Write `config.json` and the weights (heads only, never base weights), in `dtype` if given (bfloat16 halves
+        them; loading casts them back to the heads' own dtype): `model.safetensors`, or parts of at most
+        SHARD_BYTES each when they are larger (`model-00001-of-00002.safetensors`, ...)."""
         self.save_config(folder)
-        save_file(
-            {name: tensor.to(dtype or tensor.dtype).contiguous() for name, tensor in self.state_dict().items()},
-            Path(folder) / "model.safetensors",
-        )
+        parts, size = [{}], 0
+        for name, tensor in self.state_dict().items():
+            tensor = tensor.to(dtype or tensor.dtype).contiguous()
+            if parts[-1] and size + tensor.nbytes > SHARD_BYTES:
+                parts, size = [*parts, {}], 0
+            parts[-1][name], size = tensor, size + tensor.nbytes
+        for old in Path(folder).glob("model*.safetensors"):  # a rewrite leaves no stale part behind
+            old.unlink()
+        for i, part in enumerate(parts, 1):
+            name = "model.safetensors" if len(parts) == 1 else f"model-{i:05d}-of-{len(parts):05d}.safetensors"
+            save_file(part, Path(folder) / name)
 
     @staticmethod
     def from_pretrained(folder: str | Path) -> "Heads":
@@ -231,7 +240,8 @@ class Heads(nn.Module):
         raw = json.loads((folder / "config.json").read_text())
         if "medusa_num_heads" in raw:
             return Heads._from_faster_decoding(folder, raw)
-        if not (folder / "model.safetensors").is_file():
+        files = sorted(folder.glob("model*.safetensors"))
+        if not files:
             raise FileNotFoundError(
                 f"{folder / 'model.safetensors'} does not exist: point at a folder written by save_pretrained."
             )
@@ -240,7 +250,7 @@ class Heads(nn.Module):
             raise ValueError(f"{folder / 'config.json'} has unknown keys {sorted(unknown)}: not a heads folder?")
         config = HeadsConfig(**raw)
         heads = HEAD_TYPES[config.head_type](config)
-        heads.load_state_dict(load_file(folder / "model.safetensors"))
+        heads.load_state_dict({name: tensor for file in files for name, tensor in load_file(file).items()})
         return heads
 
     @staticmethod

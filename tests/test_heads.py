@@ -165,6 +165,23 @@ def test_heads_round_trip_through_a_folder(tiny, config, lm_head, tmp_path):
         assert b.dtype == torch.float32 and torch.equal(a.to(torch.bfloat16).float(), b), name
 
 
+def test_heads_larger_than_a_part_are_written_in_parts_and_load_back_whole(tiny, config, tmp_path, monkeypatch):
+    import mtp.heads
+
+    model, _ = tiny
+    heads = MedusaHeads(config, model.get_output_embeddings().weight.detach())
+    for parameter in heads.parameters():
+        torch.nn.init.normal_(parameter)
+    heads.save_pretrained(tmp_path)  # one file first: rewriting in parts must not leave it behind
+    monkeypatch.setattr(mtp.heads, "SHARD_BYTES", 20_000)  # each block's weight (64 x 64 floats) is 16 kB
+    heads.save_pretrained(tmp_path)
+    parts = sorted(p.name for p in tmp_path.glob("model*.safetensors"))
+    assert len(parts) == 6 and parts[0] == "model-00001-of-00006.safetensors"
+    loaded = MedusaHeads.from_pretrained(tmp_path)
+    for (name, a), (_, b) in zip(heads.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
 def test_heads_refuse_a_base_they_were_not_trained_for(tiny, config, tmp_path):
     model, tokenizer = tiny
     heads = MedusaHeads(config)
