@@ -150,7 +150,7 @@ class Decoder:
         logits = self.logits(hidden[0, -1])  # (V,)
         root = int(logits.argmax()) if sampling.greedy else draw(sampling.probabilities(logits).cpu(), generator)
         last_hidden = hidden[0, -1]  # (H,) the last accepted position's hidden state
-        sequence = torch.cat([input_ids[0].cpu(), torch.tensor([root])])  # what prompt lookup searches
+        sequence = torch.cat([input_ids[0].cpu(), torch.tensor([root])]) if self.lookup is not None else None
         yield [root], 0
         while True:
             with record_function("mtp.candidates"):  # the heads' guesses laid out on the tree
@@ -185,6 +185,9 @@ class Decoder:
             prefix_len += len(nodes)
             last_hidden = hidden[nodes[-1]]
             settled = tokens[nodes[1:]].tolist() + [root]
+            if self.lookup is None:
+                yield settled, 0
+                continue
             sequence = torch.cat([sequence, torch.tensor(settled)])
             yield settled, int((tree.ranks[nodes] == LOOKUP).sum())
 
