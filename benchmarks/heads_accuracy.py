@@ -13,7 +13,7 @@ import lightning as L
 import torch
 
 from mtp.base import load_tokenizer
-from mtp.data import HeadsDataModule
+from mtp.data import HeadsDataModule, add_held_out_arguments, held_out
 from mtp.heads import Heads
 from mtp.module import HeadsModule
 from mtp.tree import grow_tree
@@ -39,17 +39,11 @@ def rank_accuracy(heads_path: str, data: HeadsDataModule) -> torch.Tensor:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", nargs="+", required=True, help="heads folders")
-    parser.add_argument("--data", required=True, help="the training data (it decides the held-out prompts)")
-    parser.add_argument("--val-data", help="score these answers to the held-out prompts (default: --data's)")
-    parser.add_argument("--val-fraction", type=float, default=0.05)
-    parser.add_argument("--max-length", type=int, default=512)
-    parser.add_argument("--seed", type=int, default=0, help="the training run's seed (it shuffles the split)")
+    add_held_out_arguments(parser)
     args = parser.parse_args()
     first = Heads.from_pretrained(args.heads[0]).config
     base, num_heads = first.base_model, first.num_heads
-    data = HeadsDataModule(args.data, base, max_length=args.max_length, val_fraction=args.val_fraction,
-                           val_data=args.val_data, seed=args.seed)  # fmt: skip
-    data.setup("validate")
+    data = held_out(args, base)
     tokens = sum(int(mask.sum()) for _, mask, _ in data.val_examples)
     print(f"{len(data.val_examples)} held-out answers, {tokens} answer tokens")
     print("| heads | " + " | ".join(f"head {k} top-1 / top-5" for k in range(num_heads)) + " | "

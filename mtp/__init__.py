@@ -31,8 +31,8 @@ def load(
             calibration; default: the tree saved with the heads (`python -m mtp.sizing`), else the default tree.
         base_model: load this base instead of the one named in the heads' config (for example a local copy);
             it must be the same model: hidden size, vocabulary and tokenizer are checked.
-        lookup: prompt lookup's candidates beside the heads' each step (see `mtp.lookup`); default: as many
-            tokens as `mtp.sizing` chose for the heads (none if it chose none); `Lookup(0)`: none.
+        lookup: prompt lookup's candidates beside the heads' each step (see `mtp.lookup`); default: the
+            lengths `mtp.sizing` chose for the heads (none if it chose none); `Lookup((0,))`: none.
     """
     heads = Heads.from_pretrained(heads_path)
     name = base_model or heads.config.base_model
@@ -44,5 +44,5 @@ def load(
     else:
         chosen = Tree.from_paths(heads.config.tree, num_heads=num_heads)
     if lookup is None:
-        lookup = Lookup(heads.config.lookup)
+        lookup = Lookup(tuple(heads.config.lookup) or (0,))
     return Decoder(model, tokenizer, heads.to(device=device, dtype=dtype).eval(), chosen, lookup)

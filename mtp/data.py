@@ -186,3 +186,21 @@ class HeadsDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_batches, shuffle=False)
+
+
+def add_held_out_arguments(parser, required: bool = True) -> None:
+    """Options naming the held-out answers of a training run: its data (which decides the held-out prompts), the
+    answers to read for them, its val_fraction and seed."""
+    parser.add_argument("--data", required=required, help="the training data (it decides the held-out prompts)")
+    parser.add_argument("--val-data", help="read these answers to the held-out prompts (default: --data's)")
+    parser.add_argument("--val-fraction", type=float, default=0.05)
+    parser.add_argument("--max-length", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0, help="the training run's seed (it shuffles the split)")
+
+
+def held_out(args, base_model: str) -> HeadsDataModule:
+    """The data module of `add_held_out_arguments`' options, set up: its `val_examples` are the held-out answers."""
+    data = HeadsDataModule(args.data, base_model, max_length=args.max_length, val_fraction=args.val_fraction,
+                           val_data=args.val_data, seed=args.seed)  # fmt: skip
+    data.setup("validate")
+    return data

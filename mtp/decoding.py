@@ -69,7 +69,7 @@ class Decoder:
                 f"{base_model.config.model_type} takes no custom 4D tree mask: load it with attn_implementation='sdpa'."
             )
         self.base_model, self.tokenizer, self.heads = base_model, tokenizer, heads
-        self.lookup = lookup if lookup is not None and lookup.length else None
+        self.lookup = lookup if lookup is not None and lookup.reach else None
         self.tree = tree if heads is not None and tree is not None else Tree.from_paths([])
         if heads is not None and self.tree.size > 1:
             Tree.from_paths(self.tree.paths, num_heads=heads.config.num_heads)  # check the depth fits the heads
@@ -161,7 +161,7 @@ class Decoder:
                     tokens = self.heads.tree_tokens(last_hidden, tokens, tree, self.lm_head, self.embed, self.top_k)
                 if self.lookup is not None:  # node d sits at position prefix_len + d
                     room = max(max_length - 2 - prefix_len, 0)
-                    tree, tokens = tree.graft(tokens, self.lookup.propose(sequence)[: min(room, self.lookup.length)])
+                    tree, tokens = tree.graft(tokens, self.lookup.propose(sequence)[:room])
                 mask = tree_attention_mask(tree.mask, tree.depths, prefix_len, self.windows, hidden.dtype)
             with record_function("mtp.verify"):  # one forward pass of the base model over the whole tree
                 hidden = backbone(

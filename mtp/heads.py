@@ -3,7 +3,7 @@
 import hashlib
 import json
 import re
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -11,6 +11,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from mtp.lookup import MAX_NGRAM
 
 HEADS_FILES = ["config.json", "model*.safetensors", "medusa_lm_head.*", "README.md"]  # what a heads folder holds
 SHARD_BYTES = 8_000_000  # weights past this are written in parts (model-00001-of-0000N.safetensors), small files
@@ -41,8 +43,9 @@ class HeadsConfig:
     (measured by the last validation run of training); the tree search starts from it."""
     tree: list[list[int]] | None = None
     """Paths of the decoding tree chosen for these heads (see `mtp.tree`); None: the default named tree."""
-    lookup: int = 0
-    """Prompt-lookup tokens verified beside the tree each step, chosen with it by `mtp.sizing` (0: none)."""
+    lookup: list[int] = field(default_factory=list)
+    """Prompt-lookup tokens verified beside the tree after a match of 1, 2, ... tokens (`mtp.lookup.Lookup`'s
+    lengths), chosen with the tree by `mtp.sizing`; empty: none."""
     draft_vocab: list[int] | None = None
     """Token ids the heads' guesses are drawn from when decoding (the most frequent target tokens of the
     training data): each head's projection then scores these rows only. None: the whole vocabulary."""
@@ -56,6 +59,8 @@ class HeadsConfig:
             raise ValueError(f"head_type={self.head_type!r}: choose one of {sorted(HEAD_TYPES)}.")
         if self.lm_head not in ("shared", "own"):
             raise ValueError(f"lm_head={self.lm_head!r}: choose 'shared' (the base's frozen lm_head) or 'own'.")
+        if isinstance(self.lookup, int):  # heads sized before lookup lengths depended on the match
+            self.lookup = [self.lookup] * MAX_NGRAM if self.lookup else []
 
     def identity(self) -> str:
         return (

@@ -1,56 +1,69 @@
 """Prompt lookup: candidates copied from earlier text. When the last n tokens of the prompt and output occurred
 before, the tokens that followed them then are a guess for the tokens that follow now: right for long runs when
 an answer copies, quotes or edits its prompt, which no head can guess. The decoder hangs them from the root of
-the heads' tree (`mtp.tree.Tree.graft`) and verifies both in the same forward pass."""
+the heads' tree (`mtp.tree.Tree.graft`) and verifies both in the same forward pass.
+
+A longer match predicts better, so how many tokens are worth verifying depends on it: `Lookup.lengths[n - 1]`
+is the number proposed after a match of n tokens (`mtp.sizing` chooses them from measured acceptance and step
+costs)."""
 
 import argparse
 from dataclasses import dataclass
 
 import torch
 
+MAX_NGRAM = 3  # the longest match of `--lookup L` given as one number
+FULL = 10  # a match proposes from its latest occurrence that this many tokens follow (else from its latest)
+
 
 @dataclass(frozen=True)
 class Lookup:
-    length: int = 10
-    """Tokens proposed at most (0: no lookup)."""
-    max_ngram: int = 3
-    """Longest suffix matched; a longer match is tried first, as it predicts better."""
-    min_ngram: int = 1
-    """Shortest suffix matched."""
+    lengths: tuple[int, ...] = (10,) * MAX_NGRAM
+    """lengths[n - 1]: tokens proposed at most after a match of the last n tokens (0: none). Matches of
+    len(lengths) tokens down to 1 are tried, longest first: only the longest match proposes."""
 
     def __post_init__(self):
-        if self.length < 0 or not 1 <= self.min_ngram <= self.max_ngram:
+        if not self.lengths or min(self.lengths) < 0:
             raise ValueError(
-                f"Lookup(length={self.length}, max_ngram={self.max_ngram}, min_ngram={self.min_ngram}): need "
-                f"length >= 0 and 1 <= min_ngram <= max_ngram."
+                f"Lookup(lengths={self.lengths}): give the tokens to propose after a match of 1, 2, ... tokens, "
+                "each >= 0 (0: none)."
             )
 
-    def propose(self, ids: torch.Tensor) -> list[int]:
-        """The tokens that followed an earlier occurrence of the last n tokens of `ids` (1D), n from max_ngram
-        down to min_ngram: the latest occurrence followed by `length` tokens, else the latest one; none if no
-        suffix occurred before."""
-        for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):
+    @property
+    def reach(self) -> int:
+        """The most tokens proposed after any match."""
+        return max(self.lengths)
+
+    def match(self, ids: torch.Tensor) -> tuple[int, list[int]]:
+        """(n, chain): the longest suffix of `ids` (1D), n <= len(lengths) tokens, that occurred before, and up to
+        `reach` tokens that followed it there: at its latest occurrence followed by FULL tokens, else at its latest
+        one (which of them does not depend on `lengths`). (0, []) if no suffix occurred before."""
+        for n in range(min(len(self.lengths), len(ids) - 1), 0, -1):
             starts = (ids.unfold(0, n, 1)[:-1] == ids[-n:]).all(1).nonzero()[:, 0]  # earlier windows equal to it
             if len(starts):
                 after = starts + n  # (M,) where each occurrence's continuation begins
-                full = after[after + self.length <= len(ids)]
+                full = after[after + FULL <= len(ids)]
                 begin = int(full[-1] if len(full) else after[-1])
-                return ids[begin : begin + self.length].tolist()
-        return []
+                return n, ids[begin : begin + self.reach].tolist()
+        return 0, []
+
+    def propose(self, ids: torch.Tensor) -> list[int]:
+        """The candidates after `ids`: the first lengths[n - 1] tokens of the chain of the longest match."""
+        n, chain = self.match(ids)
+        return chain[: self.lengths[n - 1]] if n else []
 
 
 def add_lookup_arguments(parser: argparse.ArgumentParser) -> None:
-    """The prompt-lookup options of decode.py and mtp.bench."""
-    default = Lookup()
-    parser.add_argument("--lookup", type=int, metavar="L",
-                        help="prompt lookup: verify up to L tokens copied from earlier text beside the heads' guesses "
-                        "each step (default: the number mtp.sizing chose for the heads, else 0: off)")  # fmt: skip
-    parser.add_argument("--lookup-ngram", type=int, nargs=2, default=[default.min_ngram, default.max_ngram],
-                        metavar=("MIN", "MAX"), help="with --lookup: suffix lengths, longest first")  # fmt: skip
+    """The prompt-lookup option of decode.py and mtp.bench."""
+    parser.add_argument("--lookup", type=int, nargs="+", metavar="L",
+                        help="prompt lookup: verify tokens copied from earlier text beside the heads' guesses each "
+                        f"step, at most L after a match of 1, 2, ... tokens (longest match first; one L: the same "
+                        f"after matches of 1 to {MAX_NGRAM}; 0: off); default: what mtp.sizing chose for the heads, "
+                        "else off")  # fmt: skip
 
 
 def lookup_from(args: argparse.Namespace) -> Lookup | None:
     """--lookup's settings; None without it."""
     if args.lookup is None:
         return None
-    return Lookup(args.lookup, min_ngram=args.lookup_ngram[0], max_ngram=args.lookup_ngram[1])
+    return Lookup(tuple(args.lookup) * (MAX_NGRAM if len(args.lookup) == 1 else 1))

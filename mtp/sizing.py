@@ -1,8 +1,9 @@
 """Size the decoding tree to the hardware: grow it from the heads' calibrated rank accuracies, time a decoding
 step for each tree size on this device, keep the size with the highest expected speedup, save it with the heads.
-With --lookup-data, the number of prompt-lookup tokens verified beside the tree is chosen with it.
+With held-out answers (--data), prompt lookup's lengths are chosen with it.
 
-    python -m mtp.sizing --heads HEADS [--lookup-data ANSWERS] [--device cpu] [--max-nodes 64] [--remeasure]
+    python -m mtp.sizing --heads HEADS [--data TRAINING_DATA [--val-data ANSWERS]] [--device cpu] [--max-nodes 64]
+        [--remeasure]
 
 Expected tau (tokens per verification pass) of a tree is 1 (the bonus token) plus, over its candidate nodes,
 the probability that the node's whole path is right, taken as the product of the rank accuracies along it
@@ -10,11 +11,13 @@ the probability that the node's whole path is right, taken as the product of the
 of accepted candidates. Expected speedup over plain decoding is tau(N) * step(1) / step(N), with step(N) the
 measured time of a decoding step that verifies N tree tokens (step(1): plain one-token decoding, no heads).
 
-Prompt lookup (`mtp.lookup`) is measured on the base model's own answers (ANSWERS: chats or a folder of them,
-LOOKUP_SAMPLE of them, spread over the file): at every answer token taken as the root, how often lookup proposes and how
-many tokens, and the probability L(d) that its first d tokens are the answer's next ones. With lookup, the chance
-that depth d is reached is 1 - (1 - T(d)) (1 - L(d)), T(d) the tree's own (the two treated as independent),
-and a step costs step(N + the tokens lookup adds) when it proposes, step(N) when it does not.
+With --data (the heads' training data, which decides the prompts they did not train on; --val-data: read these
+answers to them, as training's data.val_data), decoding the base model's own answers to the held-out prompts is
+simulated instead, step by step: at each root, the heads' tree accepts the true path as deep as it holds it
+(teacher-forced guesses), prompt lookup (`mtp.lookup`) its right leading tokens, the step the longer of the two
+plus the bonus token, and it costs step(N + lookup's tokens that are new nodes). Heads and lookup are measured
+together on the same answers, so their overlap is counted once. For every tree size, the lookup lengths (tokens
+after a match of 1, 2, 3 tokens) with the most tokens per second are searched, and the best pair is saved.
 """
 
 import argparse
@@ -28,16 +31,15 @@ import torch
 
 from mtp.base import cache_dir, load_base
 from mtp.cli import user_errors
-from mtp.data import encode
+from mtp.data import add_held_out_arguments, held_out
 from mtp.decoding import Decoder
 from mtp.heads import Heads
-from mtp.lookup import Lookup
-from mtp.rows import read_rows, to_example
+from mtp.lookup import FULL, MAX_NGRAM, Lookup
+from mtp.loss import following_tokens
 from mtp.tree import Path, Tree, grow_tree
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # tree sizes (root included) timed on the device
-LOOKUP_LENGTHS = (0, 2, 4, 6, 8, 10)  # prompt-lookup tokens per step that sizing chooses from
-LOOKUP_SAMPLE = 200  # answers that measure prompt lookup
+LOOKUP_LENGTHS = tuple(range(FULL + 1))  # prompt-lookup tokens after a match that sizing chooses from
 
 
 def device_name(device: str) -> str:
@@ -87,34 +89,79 @@ def step_costs(measured: list[float], max_nodes: int) -> list[float]:
     return costs
 
 
-def lookup_acceptance(tokenizer, answers: str, length: int = max(LOOKUP_LENGTHS)) -> dict:
-    """Prompt lookup (default settings, at most `length` tokens) at every answer token that another follows, in
-    LOOKUP_SAMPLE chats spread evenly over `answers`, taken as the root: `proposes`, the share of roots where it
-    proposes; `tokens[l]`, the mean number it proposes then when capped at l; `right[d - 1]`, the share of roots
-    where its first d are right (against the answer's own next tokens)."""
-    lookup, roots, proposed, right = Lookup(length), 0, [0] * (length + 1), [0] * length
-    rows = read_rows(answers)
-    for row in rows[:: max(len(rows) // LOOKUP_SAMPLE, 1)][:LOOKUP_SAMPLE]:  # spread over the file
-        example = to_example(row)
-        encoded = None if example is None else encode(tokenizer, example, max_length=4096)
-        if not isinstance(encoded, tuple):
-            continue
-        ids, mask = encoded
-        for t in (mask[:-1] & mask[1:]).nonzero()[:, 0].tolist():  # roots that an answer token follows
-            chain, truth = lookup.propose(ids[: t + 1]), ids[t + 1 : t + 1 + length]
-            truth = truth[: int(mask[t + 1 : t + 1 + length].int().cumprod(0).sum())].tolist()  # the answer's own
-            roots += 1
-            for cap in range(1, length + 1):
-                proposed[cap] += min(len(chain), cap)
-            for d, (guess, token) in enumerate(zip(chain, truth, strict=False)):
-                if guess != token:
+@torch.no_grad()
+def held_out_roots(model, heads: Heads, paths: list[Path], examples: list, lookup: Lookup) -> dict[str, torch.Tensor]:
+    """Every answer token of `examples` ((ids, mask, ...): the base model's own answers to prompts the heads did not
+    train on) taken as a decoding step's root, with what a step there can accept, against the answer's own next
+    tokens. Rows, roots of one answer consecutive: `left`, answer tokens after the root; `order[:, d]`, the place
+    in `paths` (grow_tree's order) of the path of the true tokens' ranks down to depth d + 1 (len(paths) once the
+    heads' guesses miss; teacher-forced, the heads that read the path read the true one); `match`, the length of
+    lookup's match (0: none); `chain`, the number of tokens it proposes after it, at most `lookup.reach`;
+    `right`, how many of them lead right."""
+    place, num_heads = {path: i for i, path in enumerate(paths)}, heads.config.num_heads
+    top_k = 1 + max((max(path) for path in paths), default=0)
+    backbone, embed = model.get_decoder(), model.get_input_embeddings()
+    rows = {name: [] for name in ("left", "order", "match", "chain", "right")}
+    for ids, mask, *_ in examples:
+        left = [0] * len(ids)  # answer tokens that follow each position, in one run
+        for t in range(len(ids) - 2, -1, -1):
+            left[t] = left[t + 1] + 1 if mask[t + 1] else 0
+        # roots: answer tokens that another follows (a step after the last one would be past the answer); the
+        # root's parent holds the heads' input
+        roots = [p for p in mask.nonzero()[:, 0].tolist() if p > 0 and left[p]]
+        hidden = backbone(input_ids=ids[None].to(model.device)).last_hidden_state[0]  # (T, H)
+        following = embed(following_tokens(ids[None], num_heads).to(model.device))[0] if heads.reads_path else None
+        guesses = heads._best(hidden, model.get_output_embeddings(), num_heads, top_k, following).cpu()  # (K, T, k)
+        for p in roots:
+            path, order = (), []
+            for d in range(min(num_heads, left[p])):  # head d guesses the token d + 1 after the root
+                hit = (guesses[d, p - 1] == ids[p + 1 + d]).nonzero()[:, 0]  # the true token's rank, if in the top k
+                if not len(hit) or (path := path + (int(hit[0]),)) not in place:
                     break
-                right[d] += 1
-            proposed[0] += bool(chain)
-    if not roots:
-        raise ValueError(f"{answers!r} has no answer tokens: give chats with assistant answers.")
-    return {"proposes": proposed[0] / roots, "tokens": [0.0] + [n / max(proposed[0], 1) for n in proposed[1:]],
-            "right": [n / roots for n in right]}  # fmt: skip
+                order.append(place[path])
+            n, chain = lookup.match(ids[: p + 1])
+            truth = ids[p + 1 : p + 1 + left[p]].tolist()
+            right = next((i for i, (a, b) in enumerate(zip(chain, truth, strict=False)) if a != b), None)
+            right = min(len(chain), len(truth)) if right is None else right
+            order += [len(paths)] * (num_heads - len(order))
+            for name, value in zip(rows, (left[p], order, n, len(chain), right), strict=True):
+                rows[name].append(value)
+    if not rows["left"]:
+        raise ValueError("The held-out data has no answer tokens: give chats with assistant answers.")
+    return {name: torch.tensor(values) for name, values in rows.items()}
+
+
+def simulate(roots: dict[str, torch.Tensor], size: int, lengths: list[int], costs: list[float]) -> tuple:
+    """(tokens, steps, seconds) of decoding the answers of `roots` (see `held_out_roots`) with the tree of the
+    first size - 1 paths and lookup of `lengths` (lengths[n - 1] tokens after a match of n): a step accepts the
+    longer of the heads' right path and lookup's right tokens, plus the bonus token, which is the next step's
+    root; it costs step(size + the lookup tokens that do not repeat the heads' right path)."""
+    cap = torch.tensor([0, *lengths] + [0] * int(roots["match"].max()))[roots["match"]]  # no length: none
+    heads, lookup = (roots["order"] < size - 1).sum(1), roots["right"].clamp(max=cap)
+    # the next root: after the accepted tokens and the bonus one, or the next answer's first once none is left
+    advance = (torch.maximum(heads, lookup) + 1).clamp(max=roots["left"]).tolist()
+    nodes = size + roots["chain"].clamp(max=cap) - torch.minimum(heads, lookup)
+    seconds = torch.tensor(costs, dtype=torch.float64)[nodes - 1].tolist()
+    root = steps = 0
+    total = 0.0
+    while root < len(advance):
+        total, steps, root = total + seconds[root], steps + 1, root + advance[root]
+    return len(advance), steps, total
+
+
+def best_lookup(roots: dict[str, torch.Tensor], size: int, costs: list[float]) -> tuple[list[int], tuple]:
+    """The lookup lengths (one per match length, each from LOOKUP_LENGTHS) with the most tokens per second beside
+    the `size`-node tree, by coordinate ascent from none, and their `simulate` figures."""
+    lengths = [0] * int(roots["match"].max().clamp(min=1))
+    best = simulate(roots, size, lengths, costs)
+    for _ in range(2):
+        for n in range(len(lengths)):
+            for value in LOOKUP_LENGTHS:
+                trial = lengths[:n] + [value] + lengths[n + 1 :]
+                found = simulate(roots, size, trial, costs)
+                if found[0] / found[2] > best[0] / best[2]:
+                    lengths, best = trial, found
+    return lengths, best
 
 
 def depth_reached(calibration: list[list[float]], paths: list[Path]) -> list[float]:
@@ -126,11 +173,12 @@ def depth_reached(calibration: list[list[float]], paths: list[Path]) -> list[flo
 
 
 def expected_speedups(heads_path: str, device: str = "cpu", dtype: torch.dtype = torch.float32, max_nodes: int = 64,
-                      context: int = 256, remeasure: bool = False, lookup_data: str | None = None) -> dict:  # fmt: skip
+                      context: int = 256, remeasure: bool = False, held_out: list | None = None) -> dict:  # fmt: skip
     """Per tree size 1..max_nodes: expected tau, step seconds on this device (timed once, then cached in
     `$MTP_CACHE/step_seconds.json`) and expected speedup; `chosen` is the size with the highest speedup. With
-    `lookup_data`, `lookup[l]` holds the expected tau and speedup of each size with l lookup tokens, and
-    `chosen_lookup` the l of the best (size, l) pair (`chosen` its size)."""
+    `held_out` (answers of the base model to prompts the heads did not train on, as (ids, mask, ...)), decoding
+    them is simulated (`simulate`) for every size with the heads alone (`measured`) and beside the best lookup
+    lengths (`lookup`), and the best of those chooses the size and `chosen_lookup`."""
     heads = Heads.from_pretrained(heads_path)
     if heads.config.calibration is None:
         raise ValueError(
@@ -140,6 +188,7 @@ def expected_speedups(heads_path: str, device: str = "cpu", dtype: torch.dtype =
     paths, expected = grow_tree(heads.config.calibration, max_nodes)
     model, tokenizer = load_base(heads.config.base_model, device=device, dtype=dtype)
     heads.check_base(heads.config.base_model, model, tokenizer)
+    heads = heads.to(device=device, dtype=dtype).eval()
     config = heads.config
     heads_kind = f"{config.num_heads} {config.head_type} heads"
     key = " | ".join([device_name(device), str(dtype), config.identity(), heads_kind, config.lm_head,
@@ -147,7 +196,7 @@ def expected_speedups(heads_path: str, device: str = "cpu", dtype: torch.dtype =
     store = cache_dir() / "step_seconds.json"
     cached = json.loads(store.read_text()) if store.is_file() else {}
     if remeasure or len(cached.get(key, [])) < len([s for s in SIZES if s <= len(paths) + 1]):
-        cached[key] = measure_steps(model, tokenizer, heads.to(device=device, dtype=dtype).eval(), paths, context)
+        cached[key] = measure_steps(model, tokenizer, heads, paths, context)
         store.parent.mkdir(parents=True, exist_ok=True)
         store.with_suffix(".tmp").write_text(json.dumps(cached, indent=1))
         os.replace(store.with_suffix(".tmp"), store)
@@ -156,26 +205,21 @@ def expected_speedups(heads_path: str, device: str = "cpu", dtype: torch.dtype =
     table = {"size": list(range(1, len(expected) + 1)), "expected_tau": expected,
              "step_seconds": costs[: len(expected)], "expected_speedup": speedups,
              "chosen": max(range(len(speedups)), key=speedups.__getitem__) + 1,
-             "paths": paths, "device": key, "chosen_lookup": 0}  # fmt: skip
-    if lookup_data is None:
+             "paths": paths, "device": key, "chosen_lookup": []}  # fmt: skip
+    if held_out is None:
         return table
-    measured = lookup_acceptance(tokenizer, lookup_data)
-    table["lookup"], best = {}, max(speedups)
-    for length in LOOKUP_LENGTHS[1:]:
-        taus, lookup_speedups = [], []
-        for n in table["size"]:
-            tree = depth_reached(heads.config.calibration, paths[: n - 1])
-            tree += [0.0] * (length - len(tree))
-            lookup = measured["right"][:length] + [0.0] * (len(tree) - length)
-            taus.append(1 + sum(1 - (1 - t) * (1 - q) for t, q in zip(tree, lookup, strict=True)))
-            added = n + round(measured["tokens"][length])  # nodes when lookup proposes
-            cost = measured["proposes"] * costs[added - 1] + (1 - measured["proposes"]) * costs[n - 1]
-            lookup_speedups.append(taus[-1] * costs[0] / cost)
-        table["lookup"][length] = {"expected_tau": taus, "expected_speedup": lookup_speedups}
-        if max(lookup_speedups) > best:
-            best, table["chosen_lookup"] = max(lookup_speedups), length
-            table["chosen"] = lookup_speedups.index(best) + 1
-    table["lookup_measured"] = measured
+    roots = held_out_roots(model, heads, paths, held_out, Lookup((max(LOOKUP_LENGTHS),) * MAX_NGRAM))
+    table["measured"], table["lookup"] = [], []
+    for size in table["size"]:
+        tokens, steps, seconds = simulate(roots, size, [], costs)
+        table["measured"].append({"tau": tokens / steps, "speedup": tokens * costs[0] / seconds})
+        lengths, (tokens, steps, seconds) = best_lookup(roots, size, costs)
+        table["lookup"].append({"lengths": lengths, "tau": tokens / steps, "speedup": tokens * costs[0] / seconds})
+    best = max(table["lookup"], key=lambda row: row["speedup"])
+    table["chosen"] = table["lookup"].index(best) + 1
+    table["chosen_lookup"] = best["lengths"] if any(best["lengths"]) else []
+    table["roots"] = {"count": len(roots["match"]), "matched": [float((roots["match"] == n).float().mean())
+                      for n in range(1, MAX_NGRAM + 1)]}  # fmt: skip
     return table
 
 
@@ -199,29 +243,31 @@ def main() -> None:
     parser.add_argument("--max-nodes", type=int, default=64)
     parser.add_argument("--context", type=int, default=256, help="prompt tokens before the timed steps")
     parser.add_argument("--remeasure", action="store_true", help="time the steps again, even if cached")
-    parser.add_argument("--lookup-data", help="the base model's answers (chats) that measure prompt lookup; "
-                        "without it, no lookup tokens are chosen")  # fmt: skip
+    add_held_out_arguments(parser, required=False)
     args = parser.parse_args()
+    base_model = Heads.from_pretrained(args.heads).config.base_model
+    examples = held_out(args, base_model).val_examples if args.data else None
     table = size_tree(args.heads, device=args.device, dtype=getattr(torch, args.dtype), max_nodes=args.max_nodes,
-                      context=args.context, remeasure=args.remeasure, lookup_data=args.lookup_data)  # fmt: skip
-    lookup = table.get("lookup", {})
+                      context=args.context, remeasure=args.remeasure, held_out=examples)  # fmt: skip
+    measured = "measured" in table
     print(f"{table['device']}\n  size  expected tau  step ms  expected speedup"
-          + "".join(f"  tau / speedup, lookup {length}" for length in lookup))  # fmt: skip
+          + ("  held-out tau / speedup  with lookup: tau / speedup, lengths" if measured else ""))  # fmt: skip
     columns = zip(*(table[k] for k in ("size", "expected_tau", "step_seconds", "expected_speedup")), strict=True)
     for n, tau, cost, speedup in columns:
         chosen = "  <- chosen" if n == table["chosen"] else ""
         if n in SIZES or chosen:
-            with_lookup = "".join(f"  {v['expected_tau'][n - 1]:13.2f} / {v['expected_speedup'][n - 1]:.2f}"
-                                  for v in lookup.values())  # fmt: skip
-            print(f"  {n:4d}  {tau:12.2f}  {cost * 1e3:7.1f}  {speedup:16.2f}{with_lookup}{chosen}")
-    if lookup:
-        measured = table["lookup_measured"]
-        right = ", ".join(f"{measured['right'][d - 1]:.1%}" for d in (1, 2, 4))
-        print(f"Prompt lookup proposes at {measured['proposes']:.1%} of answer tokens; its first 1, 2, 4 tokens are "
-              f"right at {right}")  # fmt: skip
-    print(
-        f"Saved the {table['chosen']}-node tree and {table['chosen_lookup']} lookup tokens to {args.heads}/config.json"
-    )
+            row = f"  {n:4d}  {tau:12.2f}  {cost * 1e3:7.1f}  {speedup:16.2f}"
+            if measured:
+                alone, both = table["measured"][n - 1], table["lookup"][n - 1]
+                row += f"  {alone['tau']:14.2f} / {alone['speedup']:.2f}  {both['tau']:17.2f} / {both['speedup']:.2f}"
+                row += f", {both['lengths']}"
+            print(row + chosen)
+    if measured:
+        roots = table["roots"]
+        shares = ", ".join(f"{n} tokens {share:.1%}" for n, share in enumerate(roots["matched"], 1))
+        print(f"{roots['count']} held-out answer tokens as roots; lookup's longest match: {shares}")
+    lookup = table["chosen_lookup"] or "no"
+    print(f"Saved the {table['chosen']}-node tree and {lookup} lookup tokens to {args.heads}/config.json")
 
 
 if __name__ == "__main__":

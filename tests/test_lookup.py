@@ -19,21 +19,21 @@ def tokenizer():
 
 def test_the_longest_suffix_that_occurred_before_proposes_what_followed_its_latest_full_occurrence():
     ids = torch.tensor([5, 6, 7, 1, 9, 6, 7, 2, 3, 4, 8, 6, 7])
-    assert Lookup(length=3, max_ngram=2).propose(ids) == [2, 3, 4]  # "6 7": latest earlier one at 5
-    assert Lookup(length=3, max_ngram=3).propose(ids) == [2, 3, 4]  # "8 6 7" never occurred: falls back to 2
-    assert Lookup(length=10, max_ngram=2).propose(ids) == [1, 9, 6, 7, 2, 3, 4, 8, 6, 7]  # the latest with 10 after
-    assert Lookup(length=11, max_ngram=2).propose(ids) == [2, 3, 4, 8, 6, 7]  # none with 11: the latest
-    assert Lookup(max_ngram=3, min_ngram=3).propose(ids) == []  # no 3-token match, and shorter ones not allowed
-    assert Lookup(length=2, max_ngram=1).propose(torch.tensor([4, 4, 4])) == [4, 4]  # the latest with 2 after it
-    assert Lookup(length=2, max_ngram=1).propose(torch.tensor([5, 4, 4, 4, 4])) == [4, 4]
-    assert Lookup(max_ngram=2).propose(torch.tensor([7])) == []
+    # "6 7" occurred at 1 and 5: the one at 1 is the latest that FULL = 10 tokens follow
+    assert Lookup((3, 3)).match(ids) == (2, [1, 9, 6])
+    assert Lookup((3, 3, 3)).propose(ids) == [1, 9, 6]  # "8 6 7" never occurred: falls back to "6 7"
+    assert Lookup((4, 10)).propose(ids) == [1, 9, 6, 7, 2, 3, 4, 8, 6, 7]
+    assert Lookup((4, 2)).propose(ids) == [1, 9]  # the same occurrence, whatever the length: cut to 2
+    assert Lookup((9, 0)).propose(ids) == []  # the longest match proposes: 0 after 2 tokens, none
+    assert Lookup((2,)).propose(torch.tensor([4, 4, 4])) == [4]  # none with 10 after it: the latest
+    assert Lookup((2,)).propose(torch.tensor([6, 1] + [5] * 10 + [1])) == [5, 5]  # "1" with 10 after it
+    assert Lookup((2, 2)).propose(torch.tensor([7])) == [] and Lookup((2, 2)).match(torch.tensor([7, 8])) == (0, [])
 
 
 def test_bad_lookup_settings_are_refused_with_what_they_need():
-    with pytest.raises(ValueError, match="min_ngram <= max_ngram"):
-        Lookup(max_ngram=1, min_ngram=2)
-    with pytest.raises(ValueError, match="length >= 0"):
-        Lookup(length=-1)
+    for lengths in [(), (2, -1)]:
+        with pytest.raises(ValueError, match="each >= 0"):
+            Lookup(lengths)
 
 
 def test_a_graft_follows_the_heads_nodes_its_tokens_repeat_and_adds_the_rest_as_one_branch():
@@ -59,12 +59,12 @@ class OracleLookup(Lookup):
     """Proposes the true continuation (right=True), or tokens that are never the next one (right=False)."""
 
     def __init__(self, sequence: list[int], right: bool):
-        super().__init__(length=6)
+        super().__init__((6,))
         object.__setattr__(self, "sequence", sequence)
         object.__setattr__(self, "right", right)
 
     def propose(self, ids):
-        truth = self.sequence[len(ids) : len(ids) + self.length]
+        truth = self.sequence[len(ids) : len(ids) + self.reach]
         return truth if self.right else [(token + 1) % 512 for token in truth]
 
 
@@ -89,7 +89,7 @@ def test_heads_and_lookup_together_give_the_base_models_greedy_output(model_type
     model = tiny_model(model_type)
     expected = reference(model, tokenizer(PROMPT, return_tensors="pt").input_ids, 60)
     heads = None if head_type is None else random_heads(model, head_type=head_type)
-    result = Decoder(model, tokenizer, heads, TREE, Lookup(length=8, max_ngram=3)).generate(PROMPT, max_new_tokens=60)
+    result = Decoder(model, tokenizer, heads, TREE, Lookup((8, 8, 8))).generate(PROMPT, max_new_tokens=60)
     assert result.token_ids == expected
     assert result.lookup_accepted > 0  # random models repeat themselves: lookup's own candidates were accepted
 

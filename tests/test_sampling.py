@@ -93,7 +93,7 @@ SETTINGS = [Sampling(temperature=1.0, seed=0), Sampling(temperature=0.7, top_k=6
         (SETTINGS[1], None, "medusa", None),
         (Sampling(temperature=1.0, seed=2 * 10**6), 2, "medusa", None),
         (Sampling(temperature=0.7, top_k=6, top_p=0.9, seed=3 * 10**6), None, "hydra", None),
-        (Sampling(temperature=1.0, seed=4 * 10**6), None, "medusa", Lookup(length=3, max_ngram=2)),
+        (Sampling(temperature=1.0, seed=4 * 10**6), None, "medusa", Lookup((3, 3))),
     ],
     # window 2: the last 3 tokens see their last 2; lookup: its candidates beside the heads', in the same tree
     ids=["t1", "t0.7-k6-p0.9", "t1-window2", "t0.7-k6-p0.9-hydra", "t1-lookup"],

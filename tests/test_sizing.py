@@ -1,13 +1,18 @@
 import json
-import types
 
 import pytest
+import torch
 
 import mtp
 import mtp.sizing
-from mtp.heads import MedusaHeads
-from mtp.sizing import SIZES, size_tree, step_costs
-from mtp.tree import grow_tree, named_tree
+from mtp.base import load_tokenizer
+from mtp.decoding import Decoder
+from mtp.heads import HEAD_TYPES, MedusaHeads
+from mtp.lookup import FULL, Lookup
+from mtp.sizing import SIZES, held_out_roots, simulate, size_tree, step_costs
+from mtp.tree import Tree, grow_tree, named_tree
+from tests.conftest import TINY_BASE
+from tests.test_decoding import PROMPT, random_heads, reference, tiny_model
 from tests.test_stopping import save_random_heads
 
 # Two heads, three ranks: head 0 is right at rank 0 60% of the time, and so on.
@@ -76,60 +81,84 @@ def test_the_expected_speedup_is_tau_times_the_plain_step_over_the_tree_step(tmp
     assert table["chosen"] == 2 and MedusaHeads.from_pretrained(path).config.tree == [[0]]
 
 
-def test_sizing_with_lookup_adds_its_measured_depths_and_costs_and_picks_the_best_pair(tmp_path, monkeypatch):
-    """Fixed timings and lookup figures, the expected tau and speedups by hand; load then uses the pair."""
+# Held-out roots by hand (see held_out_roots): an answer of 6 tokens (roots 0-4) and one of 3 (roots 5-6); paths
+# (0,), (0, 0), (1,), ...: order[:, d] < size - 1 where the size-node tree holds the true path to depth d + 1.
+ROOTS = {
+    "left": torch.tensor([5, 4, 3, 2, 1, 2, 1]),
+    "order": torch.tensor([[0, 1], [2, 3], [3, 3], [0, 3], [0, 1], [0, 1], [3, 3]]),
+    "match": torch.tensor([0, 1, 2, 0, 0, 1, 0]),  # lookup's match length: none, 1 token, 2 tokens
+    "chain": torch.tensor([0, 3, 2, 0, 0, 4, 0]),
+    "right": torch.tensor([0, 3, 0, 0, 0, 2, 0]),
+}
+
+
+def test_the_simulated_decoding_of_held_out_answers_counted_by_hand():
+    costs = [float(n) for n in range(1, 20)]  # a step of n nodes: n seconds
+    # size 3 (paths (0,), (0, 0)), lookup 2 after 1 token, 5 after 2: root 0 takes 2 + bonus -> root 3 takes 1 +
+    # bonus -> root 5: heads 2 and lookup 2 (merged: no new node) -> the answer ends
+    assert simulate(ROOTS, 3, [2, 5], costs) == (7, 3, 3 + 3 + 3)
+    # size 2: root 0 -> 2: lookup's 2 wrong tokens are 2 more nodes -> 3 -> 5: 2 lookup tokens, the first the
+    # heads' too: 1 new node, both right -> the end
+    assert simulate(ROOTS, 2, [2, 5], costs) == (7, 4, 2 + 4 + 2 + 3)
+    # the root alone: 0 -> 1: lookup's first 2 right (3 proposed, capped at 2) -> 4 -> 5: 2 right -> the end
+    assert simulate(ROOTS, 1, [2, 5], costs) == (7, 4, 1 + 3 + 1 + 3)
+    assert simulate(ROOTS, 1, [], costs) == (7, 7, 7)  # plain decoding
+    assert simulate(ROOTS, 4, [10], costs) == (7, 3, 4 + 4 + 6)  # no length for 2-token matches: none
+
+
+def test_sizing_with_held_out_answers_simulates_each_size_and_saves_the_best_tree_and_lookup(tmp_path, monkeypatch):
     monkeypatch.setenv("MTP_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(mtp.sizing, "measure_steps", lambda *args, **kwargs: [0.04, 0.05, 0.06, 0.08, 0.10])
-    # lookup proposes at half the roots, two tokens at most whatever the cap; first right 50%, both 30%
-    measured = {"proposes": 0.5, "tokens": [0.0, 1.0] + [2.0] * 9, "right": [0.5, 0.3] + [0.0] * 8}
-    monkeypatch.setattr(mtp.sizing, "lookup_acceptance", lambda tokenizer, answers: measured)
+    # an answer of 9 tokens that copies earlier text: at each root, a 2-token match whose chain is right to the
+    # end; the heads never right
+    left = torch.arange(8, 0, -1)
+    copy = {"left": left, "order": torch.full((8, 2), 6), "match": torch.full((8,), 2),
+            "chain": torch.full((8,), 10), "right": left}  # fmt: skip
+    monkeypatch.setattr(mtp.sizing, "held_out_roots", lambda *args: copy)
     path, _, _ = save_random_heads(tmp_path)
     heads = MedusaHeads.from_pretrained(path)
     heads.config.calibration = CALIBRATION + [[0.0, 0.0, 0.0]]
     heads.save_config(path)
-    table = size_tree(path, max_nodes=7, lookup_data="answers")
-    two = table["lookup"][2]
-    # size 1: tau 1 + .5 + .3; a step costs .5 * step(1 + 2) + .5 * step(1) = .05
-    # size 2, tree (0,): depth 1 reached with 1 - .4 * .5, depth 2 with .3; .5 * step(4) + .5 * step(2) = .065
-    # size 3, + (0, 0): depth 2 reached with 1 - .7 * .7; .5 * step(5) + .5 * step(3) = .075
-    assert two["expected_tau"][:3] == pytest.approx([1.8, 2.1, 2.31])
-    assert two["expected_speedup"][:3] == pytest.approx([1.8 * 0.8, 2.1 * 0.04 / 0.065, 2.31 * 0.04 / 0.075])
-    assert table["lookup"][10] == two  # never more than 2 tokens, none right past 2: longer caps change nothing
-    assert table["chosen"] == 1 and table["chosen_lookup"] == 2  # 1.44 beats the heads alone (1.28 at size 2)
+    table = size_tree(path, max_nodes=7, held_out=["answers"])
+    costs = step_costs([0.04, 0.05, 0.06, 0.08, 0.10], 17)  # 0.04, 0.05, 0.06, 0.08, 0.09, 0.10, ...
+    for size in table["size"]:
+        tokens, steps, seconds = simulate(copy, size, [], costs)
+        assert table["measured"][size - 1] == pytest.approx({"tau": tokens / steps, "speedup": 8 * 0.04 / seconds})
+        tokens, steps, seconds = simulate(copy, size, table["lookup"][size - 1]["lengths"], costs)
+        assert table["lookup"][size - 1]["speedup"] == pytest.approx(8 * 0.04 / seconds)
+    assert [row["speedup"] for row in table["measured"]] == pytest.approx([1, 0.8, 2 / 3, 0.5, 4 / 9, 0.4, 4 / 11])
+    # the root alone and 7 lookup tokens after a 2-token match: with the bonus token, the whole answer in one step
+    # of 8 nodes (0.12 s) against 8 plain steps; more tokens would cost more for nothing
+    chosen = table["lookup"][0]
+    assert chosen["lengths"] == [0, 7] and chosen["tau"] == 8 and chosen["speedup"] == pytest.approx(0.32 / 0.12)
+    assert table["chosen"] == 1 and table["chosen_lookup"] == [0, 7]
     decoder = mtp.load(path)
-    assert decoder.tree.size == 1 and decoder.lookup.length == 2
-    assert mtp.load(path, lookup=mtp.Lookup(0)).lookup is None  # the caller can turn it off
+    assert decoder.tree.size == 1 and decoder.lookup.lengths == (0, 7)
+    assert mtp.load(path, lookup=mtp.Lookup((0,))).lookup is None  # the caller can turn it off
 
 
-def test_lookup_is_measured_right_more_often_on_answers_that_copy_their_prompt(tmp_path):
-    from mtp.base import load_tokenizer
-    from tests.conftest import TINY_BASE
-
-    text = "the quick brown fox jumps over the lazy dog while seven small birds sing in the old oak tree"
-    chats = {
-        "copy": [{"role": "user", "content": f"Repeat: {text}"}, {"role": "assistant", "content": text}],
-        "new": [{"role": "user", "content": f"Repeat: {text}"}, {"role": "assistant", "content": "No, I will not."}],
-    }
-    tokenizer, found = load_tokenizer(TINY_BASE), {}
-    for name, chat in chats.items():
-        (tmp_path / f"{name}.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
-        found[name] = mtp.sizing.lookup_acceptance(tokenizer, str(tmp_path / f"{name}.jsonl"))
-    copy, new = found["copy"], found["new"]
-    assert copy["right"][0] > 0.7 and copy["right"][3] > 0.5 and new["right"][0] < 0.3
-
-
-class WordTokenizer:
-    """Text "1 2 3" -> token ids [1, 2, 3]: figures that can be counted by hand."""
-
-    def __call__(self, text, **kwargs):
-        return types.SimpleNamespace(input_ids=[int(word) for word in text.split()])
-
-
-def test_lookup_figures_counted_by_hand(tmp_path):
-    (tmp_path / "text.jsonl").write_text(json.dumps({"text": "1 2 3 1 2 3 1 2"}) + "\n")  # every token answers
-    found = mtp.sizing.lookup_acceptance(WordTokenizer(), str(tmp_path / "text.jsonl"))
-    # roots t = 0..6; lookup proposes from t = 3 on: [2 3 1] (after "1"), [3 1 2] (after "1 2"), [1 2 3] (after
-    # "1 2 3") and [2 3 1] (after "2 3 1"); right against what follows: 3 tokens, 3, 2 (the text ends), 1
-    assert found["proposes"] == pytest.approx(4 / 7)
-    assert found["tokens"][:4] == pytest.approx([0, 1, 2, 3]) and found["tokens"][10] == pytest.approx(3)
-    assert found["right"][:4] == pytest.approx([4 / 7, 3 / 7, 2 / 7, 0])
+@pytest.mark.parametrize("head_type", HEAD_TYPES)
+def test_the_simulation_takes_the_steps_that_decoding_takes(head_type):
+    """held_out_roots on the tiny model's own greedy answers, then simulate: the same passes and tokens as the
+    decoder with those heads, tree and lookup. The random heads guess among the answers' own tokens (a draft
+    vocabulary), so that they are right now and then."""
+    tokenizer, model = load_tokenizer(TINY_BASE), tiny_model()
+    heads = random_heads(model, head_type=head_type)
+    paths = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0)]
+    prompts = [PROMPT, "Repeat after me: one two three, one two three, one two", "Tell me a story."]
+    examples = []
+    for prompt in prompts:
+        input_ids = tokenizer(prompt, return_tensors="pt").input_ids
+        ids = torch.tensor(input_ids[0].tolist() + reference(model, input_ids, 30))
+        examples.append((ids, torch.arange(len(ids)) >= input_ids.shape[1]))
+    heads.config.draft_vocab = sorted({token for ids, mask in examples for token in ids[mask].tolist()})
+    roots = held_out_roots(model, heads, paths, examples, Lookup((FULL,) * 3))
+    for size, lengths in [(1, [2, 4, 6]), (4, [0, 3, 10]), (9, [1, 1, 1]), (9, [])]:
+        decoder = Decoder(model, tokenizer, heads, Tree.from_paths(paths[: size - 1]), Lookup(tuple(lengths) or (0,)))
+        results = [decoder.generate(prompt, max_new_tokens=30) for prompt in prompts]
+        tokens, steps, _ = simulate(roots, size, lengths, [1.0] * 30)
+        assert steps == sum(result.forward_passes for result in results)
+        assert tokens == sum(len(result.token_ids) - 1 for result in results)  # the prefill's root is no step's
+        if size == 9 and lengths:  # both drafters had candidates accepted
+            accepted = sum(sum(result.accept_lengths) - result.forward_passes for result in results)
+            assert 0 < sum(result.lookup_accepted for result in results) < accepted
