@@ -38,6 +38,7 @@ def load(
     name = base_model or heads.config.base_model
     model, tokenizer = load_base(name, device=device, dtype=dtype)
     heads.check_base(name, model, tokenizer)
+    model = heads.adapt(model)
     num_heads = heads.config.num_heads
     if tree is not None or heads.config.tree is None:
         chosen = named_tree(tree or DEFAULT_TREE, num_heads, heads.config.calibration)

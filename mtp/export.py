@@ -42,6 +42,12 @@ def to_vllm(heads: Heads, base_lm_head: torch.Tensor, out: str | Path) -> Path:
             f"{config.head_type} heads read the candidate path, which vLLM's Medusa model cannot give them: "
             f"export Medusa heads (head_type: medusa), or decode these with mtp."
         )
+    if config.adapter:
+        raise ValueError(
+            "These heads decode with their base model adapted (a LoRA adapter beside them), and vLLM's Medusa "
+            "proposer serves the heads beside an unchanged base: decode these with mtp, or export heads trained on "
+            "a frozen base."
+        )
     rows = None if config.draft_vocab is None else torch.tensor(config.draft_vocab)
     tensors = {}
     for h, block in enumerate(heads.blocks):

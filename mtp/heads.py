@@ -14,7 +14,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from mtp.lookup import MAX_NGRAM
 
-HEADS_FILES = ["config.json", "model*.safetensors", "medusa_lm_head.*", "README.md"]  # what a heads folder holds
+# what a heads folder holds (adapter_*: peft's files of a base adapter trained with the heads)
+HEADS_FILES = ["config.json", "model*.safetensors", "medusa_lm_head.*", "README.md", "adapter_*"]
 SHARD_BYTES = 8_000_000  # weights past this are written in parts (model-00001-of-0000N.safetensors), small files
 
 
@@ -46,6 +47,11 @@ class HeadsConfig:
     lookup: list[int] = field(default_factory=list)
     """Prompt-lookup tokens verified beside the tree after a match of 1, 2, ... tokens (`mtp.lookup.Lookup`'s
     lengths), chosen with the tree by `mtp.sizing`; empty: none."""
+    adapter: bool = False
+    """The folder also holds a LoRA adapter of the base model trained with the heads (peft's `adapter_config.json`
+    and `adapter_model.safetensors`): decoding merges it into the base, and the output is the adapted model's."""
+    base_weights: str = ""
+    """With an adapter: `weights_fingerprint` of the base it was trained on (an adapter fits those weights only)."""
     draft_vocab: list[int] | None = None
     """Token ids the heads' guesses are drawn from when decoding (the most frequent target tokens of the
     training data): each head's projection then scores these rows only. None: the whole vocabulary."""
@@ -75,6 +81,18 @@ def base_identity(name: str, model: PreTrainedModel, tokenizer: PreTrainedTokeni
     vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
     fingerprint = hashlib.sha256(vocab.encode()).hexdigest()[:16]
     return dict(base_model=name, hidden_size=hidden_size, vocab_size=vocab_size, tokenizer_fingerprint=fingerprint)
+
+
+def weights_fingerprint(model: PreTrainedModel) -> str:
+    """sha256 (first 16 hex digits) of a strided sample of every weight of `model` (4,096 values per tensor at
+    most), rounded to bfloat16: the same whether the weights were loaded in float32 or bfloat16 (float16 rounds
+    them otherwise)."""
+    digest = hashlib.sha256()
+    for name, weight in sorted(model.named_parameters()):
+        flat = weight.detach().flatten()
+        sample = flat[:: max(len(flat) // 4096, 1)].to("cpu", torch.bfloat16)
+        digest.update(name.encode() + sample.view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def is_repo_id(name: str) -> bool:
@@ -212,6 +230,22 @@ class Heads(nn.Module):
                 f"These heads were trained for base model {self.config.identity()}, not for {other.identity()}: "
                 f"load them with the base they were trained for, or train heads for this base."
             )
+        if self.config.adapter and (found := weights_fingerprint(model)) != self.config.base_weights:
+            hint = " (in float16 the weights round otherwise: load it in float32 or bfloat16)"
+            raise ValueError(
+                f"These heads' adapter was trained on the weights of {self.config.base_model!r} (fingerprint "
+                f"{self.config.base_weights}), not on those of {name!r} (fingerprint {found})"
+                f"{hint if model.dtype == torch.float16 else ''}: load them with the base they were trained on."
+            )
+
+    def adapt(self, model: PreTrainedModel) -> PreTrainedModel:
+        """`model` (the base, checked by `check_base`) with the adapter trained beside these heads merged into its
+        weights, the verifier these heads decode with; `model` itself if they have none."""
+        if not self.config.adapter:
+            return model
+        from peft import PeftModel
+
+        return PeftModel.from_pretrained(model, self.folder).merge_and_unload()
 
     def save_config(self, folder: str | Path) -> None:
         folder = Path(folder)
@@ -255,6 +289,7 @@ class Heads(nn.Module):
             raise ValueError(f"{folder / 'config.json'} has unknown keys {sorted(unknown)}: not a heads folder?")
         config = HeadsConfig(**raw)
         heads = HEAD_TYPES[config.head_type](config)
+        heads.folder = folder
         heads.load_state_dict({name: tensor for file in files for name, tensor in load_file(file).items()})
         return heads
 

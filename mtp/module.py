@@ -2,22 +2,64 @@
 
 import math
 import warnings
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
+from torch.nn import functional as F
 from torchmetrics import MeanMetric, Metric
 
 from mtp.base import DEFAULT_BASE, load_base
-from mtp.heads import HEAD_TYPES, HeadsConfig, base_identity
+from mtp.heads import HEAD_TYPES, Heads, HeadsConfig, base_identity, weights_fingerprint
 from mtp.loss import IGNORE, default_weights, following_tokens, head_targets, heads_loss, shifted
 
 TOP_K = (1, 5)
 RANKS = 10  # calibration: how often each head's rank-r guess is right, r < RANKS
 # Lightning warns about modules in eval mode when training starts: the frozen base is, on purpose.
 warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode")
+
+
+@dataclass
+class Lora:
+    """Medusa-2: train the base model too, through peft's low-rank adapters (LoRA), jointly with the heads, while
+    a self-distillation term keeps its next-token distribution the original model's (the same network with its
+    adapters off). The heads then decode with the adapted model, whose output is the one they keep."""
+
+    r: int = 32
+    """Rank of each adapter."""
+    alpha: int = 16
+    """An adapter adds alpha / r x B A to its layer's weight."""
+    dropout: float = 0.05
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    """Names (the last part) of the base's linear layers that get an adapter."""
+    heads_lr_scale: float = 4.0
+    """The heads learn at the model's lr times this; the adapters at lr."""
+    heads_warmup_steps: int = 0
+    """The heads' loss weight rises linearly from 0 to 1 over the first steps."""
+    distill_weight: float = 1.0
+    """Weight of KL(original || adapted), the next-token distributions at every position that predicts an answer
+    token."""
+
+
+def with_adapters(model: nn.Module, lora: Lora) -> nn.Module:
+    """`model` wrapped by peft with LoRA adapters on `lora.target_modules` (its own weights frozen)."""
+    from peft import LoraConfig, get_peft_model
+
+    linear = sorted(
+        {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    )
+    missing = sorted(set(lora.target_modules) - set(linear))
+    if missing or not lora.target_modules:
+        raise ValueError(
+            f"lora.target_modules {missing or '[]'}: not linear layers of this base model; choose among {linear}."
+        )
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules)
+    return get_peft_model(model, config)
 
 
 class RankAccuracy(Metric):
@@ -60,8 +102,11 @@ class HeadsModule(L.LightningModule):
         draft_vocab: int = 0,
         head_type: str = "medusa",
         teacher: bool = False,
+        lora: Lora | None = None,
+        init_heads: str | None = None,
     ):
-        """Medusa-style heads trained by teacher forcing on a frozen base model.
+        """Medusa-style heads trained by teacher forcing on a frozen base model (or, with `lora`, on the base
+        model trained through low-rank adapters at the same time).
 
         Args:
             base_model: the base model (see `mtp.base.load_base`): packaged default, folder, .gguf, .json, hub id.
@@ -83,15 +128,27 @@ class HeadsModule(L.LightningModule):
                 embeddings of the true tokens t+1 .. t+k+1, by teacher forcing; the candidate path when decoding).
             teacher: learn the base model's distribution for token t+k+2 (its own prediction at t+k+1, over the
                 draft vocabulary if there is one; soft cross-entropy) instead of the token itself.
+            lora: train LoRA adapters of the base model with the heads (see `Lora`); None: the base stays frozen.
+            init_heads: start from the heads in this folder, of the same kind and base, and their draft vocabulary
+                (for example frozen-base heads, trained on with `lora`: Medusa-2's two stages).
         """
         super().__init__()
-        self.save_hyperparameters()
+        if isinstance(lora, dict):  # from a checkpoint's hyperparameters
+            lora = Lora(**lora)
+        self.save_hyperparameters(ignore=["lora"])
+        self.hparams["lora"] = None if lora is None else asdict(lora)  # plain values: checkpoints load weights_only
+        self.lora = lora
         weights = loss_weights if loss_weights is not None else default_weights(num_heads, loss_decay)
         if len(weights) != num_heads:
             raise ValueError(f"loss_weights has {len(weights)} entries for {num_heads} heads: give one per head.")
         self.weights = weights
         if draft_vocab < 0:
             raise ValueError(f"draft_vocab={draft_vocab}: use 0 (the whole vocabulary) or a number of tokens.")
+        if lora is not None and cache_hidden:
+            raise ValueError(
+                "cache_hidden with lora: the adapted base's hidden states change every step, so they cannot be "
+                "cached; set cache_hidden: false (or drop lora to keep the base frozen)."
+            )
         self.base_model, tokenizer = load_base(base_model)
         self.base_model.requires_grad_(False)
         lm_head_weight = self.base_model.get_output_embeddings().weight
@@ -100,6 +157,20 @@ class HeadsModule(L.LightningModule):
             num_heads=num_heads, num_layers=num_layers, lm_head=lm_head, head_type=head_type, **identity
         )
         self.heads = HEAD_TYPES[config.head_type](config, lm_head_weight.detach())
+        if init_heads is not None:
+            start = Heads.from_pretrained(init_heads)
+            start.check_base(base_model, self.base_model, tokenizer)
+            kind = ("num_heads", "num_layers", "lm_head", "head_type")
+            if any(getattr(start.config, key) != getattr(config, key) for key in kind):
+                raise ValueError(
+                    f"init_heads {init_heads!r} holds {', '.join(f'{k} {getattr(start.config, k)}' for k in kind)}; "
+                    f"this model has {', '.join(f'{k} {getattr(config, k)}' for k in kind)}: set the same."
+                )
+            self.heads.load_state_dict(start.state_dict())
+            config.draft_vocab = start.config.draft_vocab
+        if lora is not None:  # the adapter is only right on the weights it was trained on
+            config.adapter, config.base_weights = True, weights_fingerprint(self.base_model)
+            self.base_model = with_adapters(self.base_model, lora)
         self.hidden_cache: dict[int, torch.Tensor] = {}  # example index -> (T, H), when cache_hidden
         self.strict_loading = False  # checkpoints hold the heads only; the base comes from base_model
         self.metrics = nn.ModuleDict(
@@ -114,12 +185,21 @@ class HeadsModule(L.LightningModule):
 
     def train(self, mode: bool = True):
         super().train(mode)
-        self.base_model.eval()  # frozen: no dropout, whatever Lightning asks of the module
+        # frozen: no dropout, whatever Lightning asks of the module; with adapters, theirs trains
+        self.base_model.train(mode and self.lora is not None)
         return self
 
-    @torch.no_grad()
+    def backbone(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The base model's last hidden states (B, T, H)."""
+        return self.base_model.get_decoder()(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+        ).last_hidden_state
+
     def hidden_states(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The base model's last hidden states (B, T, H), from the cache when every example is in it."""
+        """The base model's last hidden states (B, T, H), from the cache when every example is in it; with
+        adapters, with their gradients."""
+        if self.lora is not None:
+            return self.backbone(batch)
         indices, lengths = batch["index"].tolist(), batch["attention_mask"].sum(1).tolist()
         if self.hparams.cache_hidden and all(index in self.hidden_cache for index in indices):
             cached = [self.hidden_cache[index].to(self.device) for index in indices]
@@ -127,9 +207,8 @@ class HeadsModule(L.LightningModule):
             for row, states in enumerate(cached):
                 hidden[row, : len(states)] = states
             return hidden
-        hidden = self.base_model.get_decoder()(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
-        ).last_hidden_state  # (B, T, H)
+        with torch.no_grad():
+            hidden = self.backbone(batch)  # (B, T, H)
         if self.hparams.cache_hidden:
             for row, (index, length) in enumerate(zip(indices, lengths, strict=True)):
                 self.hidden_cache[index] = hidden[row, :length].to("cpu", copy=True)
@@ -152,11 +231,20 @@ class HeadsModule(L.LightningModule):
             scored = draft_columns(targets, draft, self.heads.config.vocab_size)  # (K, N)
         teacher = None
         if self.hparams.teacher:  # head k's target: the base model's own prediction at t+k+1, for token t+k+2
-            before = torch.stack([shifted(hidden, k + 1)[keep] for k in range(num_heads)])  # (K, N, H)
+            # (K, N, H); a target, not a path for gradients into the adapters
+            before = torch.stack([shifted(hidden.detach(), k + 1)[keep] for k in range(num_heads)])
             rows = lm_head.weight if draft is None else lm_head.weight[torch.tensor(draft, device=hidden.device)]
             teacher = before @ rows.T  # (K, N, V or D)
         loss, per_head = heads_loss(logits, targets if teacher is not None else scored, self.weights, teacher)
         batch_size = batch["input_ids"].shape[0]
+        lora = self.lora
+        if lora is not None:
+            drift, agreement = self.drift(batch, hidden)
+            ramp = min((self.global_step + 1) / lora.heads_warmup_steps, 1.0) if lora.heads_warmup_steps else 1.0
+            loss = (ramp if stage == "train" else 1.0) * loss + lora.distill_weight * drift
+            self.log(f"{stage}/kl", drift, batch_size=batch_size, sync_dist=stage == "val")
+            self.log(f"{stage}/agreement", agreement, prog_bar=stage == "val", batch_size=batch_size,
+                     sync_dist=stage == "val")  # fmt: skip
         self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=batch_size, sync_dist=stage == "val")
         # hits[k, n, r]: head k's rank-r guess at position n is the target (MulticlassAccuracy over a
         # 49k-class vocabulary is orders of magnitude slower than this); a target outside the draft vocabulary
@@ -175,6 +263,17 @@ class HeadsModule(L.LightningModule):
                 )
         return loss
 
+    def drift(self, batch: dict[str, torch.Tensor], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """KL(original || adapted) of the next-token distributions, and the share of positions where their top-1
+        agree, over the positions that predict an answer token; the original is the network with its adapters off."""
+        at = F.pad(batch["loss_mask"][:, 1:], (0, 1))  # (B, T): position t predicts answer token t+1
+        lm_head = self.base_model.get_output_embeddings()
+        with torch.no_grad(), self.base_model.disable_adapter():
+            original = lm_head(self.backbone(batch)[at]).log_softmax(-1)  # (N, V)
+        adapted = lm_head(hidden[at]).log_softmax(-1)  # (N, V)
+        agreement = (adapted.argmax(-1) == original.argmax(-1)).float().mean()
+        return F.kl_div(adapted, original, log_target=True, reduction="batchmean"), agreement
+
     def training_step(self, batch, batch_idx):
         return self._step(batch, "train")
 
@@ -182,7 +281,7 @@ class HeadsModule(L.LightningModule):
         self._step(batch, "val")
 
     def on_fit_start(self) -> None:
-        if self.hparams.draft_vocab:
+        if self.hparams.draft_vocab and self.hparams.init_heads is None:
             examples = self.trainer.datamodule.train_examples
             targets = torch.cat([ids[mask] for ids, mask, _ in examples])  # every target token of the training split
             counts = torch.bincount(targets, minlength=self.heads.config.vocab_size)  # (V,)
@@ -203,9 +302,11 @@ class HeadsModule(L.LightningModule):
             ]
 
     def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(
-            self.heads.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay
-        )
+        lr, lora = self.hparams.lr, self.lora
+        groups = [{"params": list(self.heads.parameters()), "lr": lr * (lora.heads_lr_scale if lora else 1.0)}]
+        if lora is not None:
+            groups.append({"params": [p for p in self.base_model.parameters() if p.requires_grad], "lr": lr})
+        optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=self.hparams.weight_decay)
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         warmup = min(self.hparams.warmup_steps, total - 1)
 
@@ -218,9 +319,10 @@ class HeadsModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def state_dict(self, *args, **kwargs):
-        """Heads (and metric state) only: the frozen base is reloaded from base_model, never checkpointed."""
+        """Heads, adapters (with lora) and metric state: the base's own weights are reloaded from base_model, never
+        checkpointed."""
         state = super().state_dict(*args, **kwargs)
-        return {key: value for key, value in state.items() if not key.startswith("base_model.")}
+        return {key: value for key, value in state.items() if not key.startswith("base_model.") or "lora_" in key}
 
     def on_fit_end(self) -> None:
         if self.trainer.fast_dev_run:  # a smoke run: like Lightning's logs and checkpoints, nothing is written
@@ -228,6 +330,8 @@ class HeadsModule(L.LightningModule):
         folder = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "heads"  # log_dir: a collective call
         if self.trainer.is_global_zero:
             self.heads.save_pretrained(folder)
+            if self.lora is not None:  # peft's own files beside the heads: adapter_config.json, ...
+                self.base_model.save_pretrained(folder)
             metrics = self.trainer.callback_metrics
             rank_zero_info(f"Heads saved to {folder}")
             for k in range(len(self.weights)):

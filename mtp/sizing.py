@@ -188,7 +188,7 @@ def expected_speedups(heads_path: str, device: str = "cpu", dtype: torch.dtype =
     paths, expected = grow_tree(heads.config.calibration, max_nodes)
     model, tokenizer = load_base(heads.config.base_model, device=device, dtype=dtype)
     heads.check_base(heads.config.base_model, model, tokenizer)
-    heads = heads.to(device=device, dtype=dtype).eval()
+    model, heads = heads.adapt(model), heads.to(device=device, dtype=dtype).eval()
     config = heads.config
     heads_kind = f"{config.num_heads} {config.head_type} heads"
     key = " | ".join([device_name(device), str(dtype), config.identity(), heads_kind, config.lm_head,

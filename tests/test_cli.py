@@ -67,16 +67,19 @@ def test_command_line_overrides_reach_the_model(tmp_path):
     )
 
 
-def test_two_process_ddp_on_cpu(tmp_path):
+@pytest.mark.parametrize("lora", [[], ["--model.lora.r", "4", "--model.lora.target_modules", "[q_proj, v_proj]"]],
+                         ids=["frozen-base", "lora"])  # fmt: skip
+def test_two_process_ddp_on_cpu(tmp_path, lora):
     command = [sys.executable, str(ROOT / "train.py"), "fit", "--config", str(ROOT / "configs" / "tiny.yaml"),
                "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu", "--trainer.devices", "2",
                "--trainer.max_steps", "4", "--trainer.enable_progress_bar", "false",
-               "--trainer.logger.init_args.save_dir", str(tmp_path)]  # fmt: skip
+               "--trainer.logger.init_args.save_dir", str(tmp_path), *lora]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "world_size: 2" in done.stderr or "MEMBER: 2/2" in done.stderr
     (run,) = Path(tmp_path, "lightning_logs").iterdir()
     assert (run / "heads" / "model.safetensors").is_file()
+    assert (run / "heads" / "adapter_model.safetensors").is_file() == bool(lora)
 
 
 @pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("gpu-*.yaml")), ids=lambda path: path.name)
