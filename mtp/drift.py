@@ -16,6 +16,7 @@ from mtp.base import load_base
 from mtp.cli import user_errors
 from mtp.data import add_held_out_arguments, held_out
 from mtp.heads import Heads
+from mtp.module import divergence
 
 
 @torch.no_grad()
@@ -37,8 +38,8 @@ def drift(heads_path: str, examples: list, prompts: int, max_new_tokens: int, de
         adapted = model(input_ids=ids).logits[0, at].float().log_softmax(-1)  # (N, V)
         with model.disable_adapter():
             original = model(input_ids=ids).logits[0, at].float().log_softmax(-1)
-        agree += int((adapted.argmax(-1) == original.argmax(-1)).sum())
-        kl += float(F.kl_div(adapted, original, log_target=True, reduction="sum"))
+        divergent, agreeing = divergence(adapted, original)
+        kl, agree = kl + float(divergent), agree + int(agreeing)
         positions += len(adapted)
         if i < prompts:  # the prompt: everything before the first answer token
             prompt = ids[:, : int(mask.int().argmax())]

@@ -62,6 +62,12 @@ def with_adapters(model: nn.Module, lora: Lora) -> nn.Module:
     return get_peft_model(model, config)
 
 
+def divergence(adapted: torch.Tensor, original: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed KL(original || adapted) and the number of rows whose top-1 agree, from log-probabilities (N, V)."""
+    agree = (adapted.argmax(-1) == original.argmax(-1)).sum()
+    return F.kl_div(adapted, original, log_target=True, reduction="sum"), agree
+
+
 class RankAccuracy(Metric):
     """Per head, the fraction of positions where the head's rank-r guess is the target, for r < RANKS."""
 
@@ -270,9 +276,8 @@ class HeadsModule(L.LightningModule):
         lm_head = self.base_model.get_output_embeddings()
         with torch.no_grad(), self.base_model.disable_adapter():
             original = lm_head(self.backbone(batch)[at]).log_softmax(-1)  # (N, V)
-        adapted = lm_head(hidden[at]).log_softmax(-1)  # (N, V)
-        agreement = (adapted.argmax(-1) == original.argmax(-1)).float().mean()
-        return F.kl_div(adapted, original, log_target=True, reduction="batchmean"), agreement
+        kl, agree = divergence(lm_head(hidden[at]).log_softmax(-1), original)
+        return kl / len(original), agree / len(original)
 
     def training_step(self, batch, batch_idx):
         return self._step(batch, "train")
