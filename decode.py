@@ -3,12 +3,14 @@
 
 python decode.py --prompt "Explain KV caches."
 python decode.py --heads runs/.../heads --prompts-file questions.jsonl --json > answers.jsonl
+python decode.py --prompts-file data/mt_bench.jsonl --batch-size 4   # 4 prompts per verification pass
 python decode.py --temperature 0.7 --seed 0       # interactive chat, sampling
 """
 
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -69,6 +71,9 @@ def main() -> None:
     )
     add_sampling_arguments(parser)
     add_lookup_arguments(parser)
+    parser.add_argument("--batch-size", type=int, default=1, help="answer B prompts of --prompts-file together, "
+                        "one verification pass over all their trees per step (turn k of every conversation, then "
+                        "turn k + 1)")  # fmt: skip
     parser.add_argument("--stream", action="store_true", help="print text as it is accepted")
     parser.add_argument("--json", action="store_true", help="one JSON object per answer on stdout")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -85,7 +90,12 @@ def main() -> None:
     chat = decoder.tokenizer.chat_template is not None
     interactive = args.prompt is None and args.prompts_file is None
     totals = [0, 0, 0.0]  # tokens, verification passes, seconds
-    for turns in [typed_turns()] if interactive else conversations(args):
+    if args.batch_size < 1 or (args.batch_size > 1 and (args.stream or interactive)):
+        raise SystemExit(f"--batch-size {args.batch_size}: give B >= 1; B > 1 answers a --prompts-file or --prompt, "
+                         "without --stream.")  # fmt: skip
+    if args.batch_size > 1:
+        answer_in_batches(decoder, conversations(args), chat, args, sampling, totals)
+    for turns in [] if args.batch_size > 1 else [typed_turns()] if interactive else conversations(args):
         messages = []
         for turn in turns:
             messages.append({"role": "user", "content": turn})
@@ -97,18 +107,41 @@ def main() -> None:
             if args.stream or interactive:
                 print()
             messages.append({"role": "assistant", "content": result.text})
-            totals = [totals[0] + len(result.token_ids), totals[1] + result.forward_passes, totals[2] + result.seconds]
-            if args.json:
-                print(json.dumps({"prompt": turn, "text": result.text, "tokens": len(result.token_ids),
-                                  "forward_passes": result.forward_passes, "tau": round(result.tau, 3),
-                                  "lookup_accepted": result.lookup_accepted,
-                                  "finish_reason": result.finish_reason, "stop_sequence": result.stop_sequence,
-                                  "tokens_per_second": round(result.tokens_per_second, 2)}), flush=True)  # fmt: skip
-            elif not (args.stream or interactive):
-                print(result.text)
+            report(turn, result, args, totals, result.seconds, streamed=args.stream or interactive)
     tokens, passes, seconds = totals
     print(f"tau {tokens / max(passes, 1):.2f} ({tokens} tokens, {passes} verification passes), "
           f"{tokens / max(seconds, 1e-9):.1f} tokens/s", file=sys.stderr)  # fmt: skip
+
+
+def answer_in_batches(decoder: Decoder, conversations: list[list[str]], chat: bool, args, sampling, totals) -> None:
+    """Answer turn k of every conversation together, `args.batch_size` at a time, then turn k + 1 (which follows
+    each conversation's answer to turn k); print each round's answers in file order."""
+    histories = [[] for _ in conversations]
+    for k in range(max(len(turns) for turns in conversations)):
+        asked = [c for c, turns in enumerate(conversations) if k < len(turns)]
+        for c in asked:
+            histories[c].append({"role": "user", "content": conversations[c][k]})
+        prompts = [histories[c] if chat else conversations[c][k] for c in asked]
+        start = time.perf_counter()
+        results = decoder.generate(prompts, args.max_new_tokens, args.stop, sampling, args.batch_size)
+        seconds = time.perf_counter() - start
+        for c, result in zip(asked, results, strict=True):
+            histories[c].append({"role": "assistant", "content": result.text})
+            report(conversations[c][k], result, args, totals, seconds / len(asked), streamed=False)
+
+
+def report(turn: str, result: GenerationResult, args, totals: list, seconds: float, streamed: bool) -> None:
+    """Print one answer (as a JSON line with --json; as text unless it was streamed) and add it to `totals`;
+    `seconds`: its share of the wall-clock time."""
+    totals[:] = [totals[0] + len(result.token_ids), totals[1] + result.forward_passes, totals[2] + seconds]
+    if args.json:
+        print(json.dumps({"prompt": turn, "text": result.text, "tokens": len(result.token_ids),
+                          "forward_passes": result.forward_passes, "tau": round(result.tau, 3),
+                          "lookup_accepted": result.lookup_accepted, "finish_reason": result.finish_reason,
+                          "stop_sequence": result.stop_sequence,
+                          "tokens_per_second": round(result.tokens_per_second, 2)}), flush=True)  # fmt: skip
+    elif not streamed:
+        print(result.text)
 
 
 if __name__ == "__main__":

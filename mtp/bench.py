@@ -14,6 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 import mtp
@@ -27,17 +28,26 @@ from mtp.tree import NAMED_TREES
 METHODS = ("plain", "lookup", "heads", "mtp")  # heads: mtp without its prompt lookup, when that is on
 
 
-def timed_generate(model, input_ids, max_new_tokens, sampling: Sampling, **options) -> tuple[list[int], float]:
-    """Plain `generate` (or prompt lookup with options): new tokens without the EOS, and seconds."""
+def timed_generate(model, prompts: list[torch.Tensor], max_new_tokens: int, sampling: Sampling, batch_size: int = 1,
+                   **options) -> tuple[list[list[int]], float]:  # fmt: skip
+    """Plain `generate` (or prompt lookup with options) of `prompts` (each (1, T)), `batch_size` at a time, left-
+    padded: each prompt's new tokens without the EOS, and the seconds of all."""
     if not sampling.greedy:
         options |= dict(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
-    start = time.perf_counter()
-    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-                         **({"do_sample": False} | options))[0, input_ids.shape[1] :].tolist()  # fmt: skip
-    seconds = time.perf_counter() - start
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
-    return (out[: next((i for i, t in enumerate(out) if t in eos), len(out))], seconds)
+    pad_id = next((t for t in [model.generation_config.pad_token_id, *eos] if t is not None), 0)
+    outputs, start = [], time.perf_counter()
+    for first in range(0, len(prompts), batch_size):
+        chunk = prompts[first : first + batch_size]
+        length = max(input_ids.shape[1] for input_ids in chunk)
+        lefts = [length - ids.shape[1] for ids in chunk]  # padding before each prompt
+        input_ids = torch.cat([F.pad(ids, (left, 0), value=pad_id) for ids, left in zip(chunk, lefts, strict=True)])
+        attention_mask = (torch.arange(length) >= torch.tensor(lefts)[:, None]).long().to(input_ids.device)  # (B, T)
+        out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                             pad_token_id=pad_id, **({"do_sample": False} | options))[:, length:]  # fmt: skip
+        outputs += [row[: next((i for i, t in enumerate(row) if t in eos), len(row))] for row in out.tolist()]
+    return outputs, time.perf_counter() - start
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -72,6 +82,56 @@ def markdown(summary: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def bench_batches(decoder: Decoder, chats: list, sizes: list[int], max_new_tokens: int, sampling: Sampling):
+    """Per batch size B: total tokens/s of plain `generate` and of mtp, B prompts at a time, against one at a time;
+    tau (each row's tokens per verification pass, over all rows); when greedy, how many outputs differ: mtp's
+    from each prompt decoded alone by plain `generate` and from plain batched `generate`, and plain batched
+    `generate`'s own from alone. Plain and mtp one at a time run first, then each size's two in turn."""
+    model = decoder.base_model
+    prompts = [decoder.encode(messages).to(model.device) for messages in chats]
+    plain_alone, plain_alone_seconds = timed_generate(model, prompts, max_new_tokens, sampling)
+    start = time.perf_counter()
+    alone = decoder.generate(chats, max_new_tokens, sampling=sampling, batch_size=1)
+    alone_seconds = time.perf_counter() - start
+
+    def differ(outputs: list[list[int]], others: list[list[int]]) -> int | None:
+        return sum(a != b for a, b in zip(outputs, others, strict=True)) if sampling.greedy else None
+
+    rows = []
+    for size in tqdm(sizes, desc="batch sizes"):
+        plain, plain_seconds, results, seconds = plain_alone, plain_alone_seconds, alone, alone_seconds
+        if size > 1:
+            plain, plain_seconds = timed_generate(model, prompts, max_new_tokens, sampling, size)
+            start = time.perf_counter()
+            results = decoder.generate(chats, max_new_tokens, sampling=sampling, batch_size=size)
+            seconds = time.perf_counter() - start
+        ours = [result.token_ids for result in results]
+        speed = {"mtp": sum(map(len, ours)) / seconds, "plain": sum(map(len, plain)) / plain_seconds,
+                 "mtp_alone": sum(len(r.token_ids) for r in alone) / alone_seconds}  # fmt: skip
+        rows.append({
+            "batch_size": size, **{f"{name}_tokens_per_second": value for name, value in speed.items()},
+            "speedup_vs_plain": speed["mtp"] / speed["plain"],
+            "speedup_vs_mtp_alone": speed["mtp"] / speed["mtp_alone"],
+            "tau": sum(map(len, ours)) / sum(result.forward_passes for result in results),
+            "mismatches_vs_alone": differ(ours, plain_alone), "mismatches_vs_plain_batched": differ(ours, plain),
+            "plain_batched_mismatches_vs_alone": differ(plain, plain_alone),
+        })  # fmt: skip
+    return rows
+
+
+def batch_markdown(rows: list[dict], questions: int) -> str:
+    lines = [f"| B | plain batched tok/s | mtp batched tok/s | mtp one at a time tok/s | vs plain batched | vs mtp one "
+             f"at a time | tau | mtp outputs unlike alone / unlike plain batched (of {questions}) | plain batched "
+             "unlike alone |", "| ---: |" + " ---: |" * 8]  # fmt: skip
+    for r in rows:
+        speeds = [f"{r[f'{name}_tokens_per_second']:.1f}" for name in ("plain", "mtp", "mtp_alone")]
+        figures = [r["batch_size"], *speeds, f"{r['speedup_vs_plain']:.2f}x", f"{r['speedup_vs_mtp_alone']:.2f}x"]
+        figures += [f"{r['tau']:.2f}", f"{r['mismatches_vs_alone']} / {r['mismatches_vs_plain_batched']}"]
+        figures += [r["plain_batched_mismatches_vs_alone"]]
+        lines.append("| " + " | ".join(str(figure) for figure in figures) + " |")
+    return "\n".join(lines)
+
+
 @user_errors
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -86,6 +146,9 @@ def main() -> None:
     )
     add_sampling_arguments(parser)
     add_lookup_arguments(parser)
+    parser.add_argument("--batch-size", type=int, nargs="+", metavar="B",
+                        help="instead: total tokens/s of mtp and plain `generate` answering B prompts at a time, "
+                        "for each B, against one at a time")  # fmt: skip
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--out", default="runs/bench/bench.json", help="JSON out; the Markdown table goes beside it")
@@ -109,14 +172,25 @@ def main() -> None:
     decoder.generate(warm_up, max_new_tokens=8, sampling=sampling)
     if heads_alone:
         heads_alone.generate(warm_up, max_new_tokens=8, sampling=sampling)
-    timed_generate(model, decoder.encode(warm_up).to(args.device), 8, sampling, prompt_lookup_num_tokens=10)
-    timed_generate(model, decoder.encode(warm_up).to(args.device), 8, sampling)
+    timed_generate(model, [decoder.encode(warm_up).to(args.device)], 8, sampling, prompt_lookup_num_tokens=10)
+    timed_generate(model, [decoder.encode(warm_up).to(args.device)], 8, sampling)
+    settings = {k: v for k, v in vars(args).items() if k != "out"} | {"tree_size": decoder.tree.size,
+                "threads": torch.get_num_threads()}  # fmt: skip
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.batch_size:
+        rows = bench_batches(decoder, chats, args.batch_size, args.max_new_tokens, sampling)
+        out.write_text(json.dumps({"settings": settings, "batches": rows}, indent=1))
+        table = batch_markdown(rows, len(chats))
+        out.with_suffix(".md").write_text(table + "\n")
+        print(table)
+        return
     rows = []
     for question, messages in zip(tqdm(questions, desc="benchmark", unit="question"), chats, strict=True):
         input_ids = decoder.encode(messages).to(args.device)
-        plain, plain_seconds = timed_generate(model, input_ids, args.max_new_tokens, sampling)
-        lookup, lookup_seconds = timed_generate(model, input_ids, args.max_new_tokens, sampling,
-                                                prompt_lookup_num_tokens=10)  # fmt: skip
+        (plain,), plain_seconds = timed_generate(model, [input_ids], args.max_new_tokens, sampling)
+        (lookup,), lookup_seconds = timed_generate(model, [input_ids], args.max_new_tokens, sampling,
+                                                   prompt_lookup_num_tokens=10)  # fmt: skip
         result = decoder.generate(messages, max_new_tokens=args.max_new_tokens, sampling=sampling)
         rows.append({
             "category": question.get("category", "all"), "forward_passes": result.forward_passes,
@@ -133,10 +207,6 @@ def main() -> None:
         c: summarise([r for r in rows if r["category"] == c]) for c in dict.fromkeys(r["category"] for r in rows)
     }
     summary["overall"] = summarise(rows)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    settings = {k: v for k, v in vars(args).items() if k != "out"} | {"tree_size": decoder.tree.size,
-                "threads": torch.get_num_threads()}  # fmt: skip
     out.write_text(json.dumps({"settings": settings, "summary": summary, "questions": rows}, indent=1))
     table = markdown(summary)
     out.with_suffix(".md").write_text(table + "\n")

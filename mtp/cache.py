@@ -8,6 +8,16 @@ kept, the cache after `keep_accepted` is exactly a causal run's, and the window 
 exact: in the 4D attention mask, per layer type, a query at position q seeing a key at position k iff
 q - k < window (the rule of transformers' `sliding_window_overlay`). The price is memory: sliding layers
 cache the whole context instead of a window, as full-attention layers do anyway.
+
+Rows of a batch share one cache (B, heads, T, head_dim) whose T slots need not line up across rows: `slots`
+(B, T) holds the position, in its own row, of the token that each slot caches, and -1 for an empty slot. A
+row's prompt fills the slots of its own prefill, padded with empty ones to the batch's length; each step, the
+accepted nodes of every row go to the A slots after those there were before the pass (A: the most that any
+row accepted), and the slots a row does not fill stay empty. Which slot holds a token does not matter to
+attention: a cached key carries its position already (rotary or learned position embeddings are applied before
+caching), so the mask lets a query see the filled slots of its own row (within a sliding layer's window, by
+position) and nothing else. Empty slots cost attention work, never a wrong value; slots empty in every row are
+dropped whenever rows leave.
 """
 
 import torch
@@ -30,44 +40,74 @@ def attention_windows(config: PretrainedConfig) -> dict[str, int | None]:
 
 
 def tree_attention_mask(
-    tree_mask: torch.Tensor, depths: torch.Tensor, prefix_len: int, windows: dict[str, int | None], dtype: torch.dtype
-) -> torch.Tensor | dict[str, torch.Tensor]:
-    """The additive 4D mask of a pass over the tree's nodes after `prefix_len` cached positions: a node sees
-    the whole prefix and its own ancestors, minus what lies outside a sliding layer's window. One mask, or one
-    per layer type (the form transformers' models take for mixed full and sliding layers).
+    tree_mask: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, windows: dict[str, int | None],
+    dtype: torch.dtype,
+) -> torch.Tensor | dict[str, torch.Tensor]:  # fmt: skip
+    """The additive 4D mask (B, 1, Q, T+Q) of a pass over each row's tree nodes after the cached slots: a node sees
+    the filled slots of its row and its own ancestors, minus what lies outside a sliding layer's window. One mask,
+    or one per layer type (the form transformers' models take for mixed full and sliding layers).
 
     Args:
-        tree_mask: (N+1, N+1) bool, node i sees node j.
-        depths: (N+1,) each node's depth; node i sits at position prefix_len + depths[i].
-        prefix_len: cached positions before the tree.
+        tree_mask: (B, Q, Q) bool, node i of a row sees node j of the same row.
+        positions: (B, Q) each node's position in its row.
+        slots: (B, T) the position of the token cached in each slot, -1 for an empty slot.
         windows: `attention_windows` of the model.
         dtype: the model's dtype.
     """
-    blocked = torch.finfo(dtype).min
-    tree_part = torch.zeros(tree_mask.shape, dtype=dtype, device=depths.device).masked_fill_(~tree_mask, blocked)
-    prefix = torch.zeros(len(depths), prefix_len, dtype=dtype, device=depths.device)  # (N+1, P) all seen
-    full = torch.cat([prefix, tree_part], 1)[None, None]  # (1, 1, N+1, P+N+1)
-    masks = {}
+    queries = tree_mask.shape[1]
+    seen = torch.cat([(slots >= 0)[:, None].expand(-1, queries, -1), tree_mask], 2)  # (B, Q, T+Q)
+    keys = torch.cat([slots, positions], 1)  # (B, T+Q) every key's position
+    masks, blocked = {}, torch.finfo(dtype).min
     for kind, window in windows.items():
-        if window is None:
-            masks[kind] = full
-            continue
-        positions = prefix_len + depths  # (N+1,)
-        keys = torch.cat([torch.arange(prefix_len, device=depths.device), positions])  # (P+N+1,) every key's position
-        masks[kind] = full.masked_fill(positions[:, None] - keys[None, :] >= window, blocked)  # out of the window
+        visible = seen if window is None else seen & (positions[:, :, None] - keys[:, None] < window)
+        masks[kind] = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, blocked)
+        masks[kind] = masks[kind][:, None]  # (B, 1, Q, T+Q)
     return masks if len(masks) > 1 else masks[next(iter(masks))]
 
 
-def keep_accepted(cache: DynamicCache, prefix_len: int, nodes: torch.Tensor) -> None:
-    """Keep the cache entries of the accepted tree `nodes` right after the first `prefix_len` entries.
+def keep_accepted(cache: DynamicCache, slots: torch.Tensor, nodes: list[torch.Tensor], prefix_lens: torch.Tensor):
+    """Keep each row's accepted tree `nodes` in the A slots right after the T slots there were before the pass,
+    A the most nodes any row accepted; returns the slots (B, T+A).
 
-    Before: prefix_len entries, then one entry per tree node. After: prefix_len + len(nodes) entries, the
-    accepted nodes in path order, exactly what a causal pass over prefix + accepted tokens would have cached
-    (each node's keys and values were computed at its depth's position, attending to its ancestors only).
+    Before: T slots, then one per tree node (Q). After: T + A slots; row b's accepted nodes in path order at
+    positions prefix_lens[b], prefix_lens[b] + 1, ..., the rest of its new slots empty. Each node's keys and
+    values were computed at its depth's position attending to its ancestors only: with the empty slots masked,
+    the cache is exactly what a causal pass over the row's prefix and accepted tokens would have cached.
+
+    Args:
+        nodes: per row, the accepted nodes (A_b,), root first.
+        prefix_lens: (B,) the tokens each row had cached before the pass: where its root sits.
     """
-    positions = prefix_len + nodes  # (A,) where the accepted nodes sit now
+    length = slots.shape[1]
+    accepted = torch.nn.utils.rnn.pad_sequence(nodes, batch_first=True, padding_value=-1)  # (B, A)
+    index = (length + accepted.clamp(min=0))[:, None, :, None]  # (B, 1, A, 1) the nodes' slots in the pass
+    kept = length + accepted.shape[1]
     for layer in cache.layers:
-        kept = prefix_len + len(nodes)
-        for states in (layer.keys, layer.values):  # (B, H, T, D)
-            states[:, :, prefix_len:kept] = states[:, :, positions]
+        for states in (layer.keys, layer.values):  # (B, heads, T+Q, D)
+            states[:, :, length:kept] = states.gather(2, index.expand(-1, states.shape[1], -1, states.shape[3]))
         layer.crop(kept - layer.keys.shape[-2])
+    new = prefix_lens[:, None] + torch.arange(accepted.shape[1], device=slots.device)  # (B, A)
+    return torch.cat([slots, new.masked_fill(accepted < 0, -1)], 1)
+
+
+def append_rows(cache: DynamicCache, slots: torch.Tensor, other: DynamicCache, other_slots: torch.Tensor):
+    """Append the rows of `other` (its slots `other_slots`) to `cache`, the shorter of the two padded with empty
+    slots; returns the slots of the joined rows."""
+    length = max(slots.shape[1], other_slots.shape[1])
+
+    def pad(states: torch.Tensor) -> torch.Tensor:  # (B, heads, T, D) -> (B, heads, length, D)
+        return torch.nn.functional.pad(states, (0, 0, 0, length - states.shape[2]))
+
+    for layer, new in zip(cache.layers, other.layers, strict=True):
+        layer.keys = torch.cat([pad(layer.keys), pad(new.keys)])
+        layer.values = torch.cat([pad(layer.values), pad(new.values)])
+    return torch.cat([torch.nn.functional.pad(s, (0, length - s.shape[1]), value=-1) for s in (slots, other_slots)])
+
+
+def keep_rows(cache: DynamicCache, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Keep only `rows` (B,) bool of the cache, and drop the slots then empty in every row; returns their slots."""
+    slots = slots[rows]
+    filled = (slots >= 0).any(0)  # (T,)
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[rows][:, :, filled], layer.values[rows][:, :, filled]
+    return slots[:, filled]

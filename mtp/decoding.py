@@ -1,19 +1,20 @@
-"""The decoding loop: propose a tree of candidates with the heads, verify it in one forward pass of the base
-model, accept the longest prefix the base model itself would produce, append, stop?"""
+"""Decoding: propose a tree of candidates with the heads, verify it in one forward pass of the base model, accept
+the longest prefix the base model itself would produce, append, stop? The steps of one prompt or of a batch are
+`mtp.batch`'s; here are the prompts, their stop rules and their results."""
 
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-from torch.profiler import record_function
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from mtp.cache import attention_windows, keep_accepted, tree_attention_mask
+from mtp.batch import Batch
+from mtp.cache import attention_windows
 from mtp.heads import Heads
 from mtp.lookup import Lookup
-from mtp.sampling import GREEDY, Sampling, accept_exact, accept_typical, draw
-from mtp.tree import LOOKUP, Tree
+from mtp.sampling import GREEDY, Sampling
+from mtp.tree import Tree
 
 
 @dataclass
@@ -106,7 +107,7 @@ class Decoder:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
-    def _tree_within(self, depth: int) -> Tree:
+    def tree_within(self, depth: int) -> Tree:
         """The tree without nodes deeper than `depth` (at most the tree's own depth), on the model's device (built
         once per depth)."""
         if depth not in self._trees:
@@ -126,101 +127,44 @@ class Decoder:
             )
         return max_length
 
-    @torch.no_grad()
     def steps(
         self, input_ids: torch.Tensor, sampling: Sampling = GREEDY, max_length: int | None = None
     ) -> Iterator[tuple[list[int], int]]:
         """Yield the tokens each pass settles (the prefill's first token, then per step the accepted candidates
-        and the bonus token) and how many of them prompt lookup alone proposed. Runs until the caller stops.
-
-        Args:
-            input_ids: (1, T) the prompt.
-            sampling: greedy, or how to sample.
-            max_length: the sequence ends at this length (prompt and new tokens; default: the model's context
-                window), so no tree node is placed at position max_length - 1 or later: a token there would be
-                past the end, and the last token's own guess would only repeat the bonus token of its parent.
-        """
-        generator = sampling.generator()
-        device = self.base_model.device
-        max_length = max_length or self.context or float("inf")
-        backbone = self.base_model.get_decoder()
-        cache = DynamicCache()  # every position on every layer: see mtp.cache
-        hidden = backbone(input_ids=input_ids.to(device), cache=cache, use_cache=True).last_hidden_state
-        prefix_len = input_ids.shape[1]
-        logits = self.logits(hidden[0, -1])  # (V,)
-        root = int(logits.argmax()) if sampling.greedy else draw(sampling.probabilities(logits).cpu(), generator)
-        last_hidden = hidden[0, -1]  # (H,) the last accepted position's hidden state
-        sequence = torch.cat([input_ids[0].cpu(), torch.tensor([root])]) if self.lookup is not None else None
-        yield [root], 0
+        and the bonus token) and how many of them prompt lookup alone proposed: the batch of one prompt,
+        input_ids (1, T), ending at `max_length` (default: the model's context window). Runs until the caller
+        stops."""
+        batch = Batch(self, sampling)
+        yield [batch.add(input_ids, max_length)], 0
         while True:
-            with record_function("mtp.candidates"):  # the heads' guesses laid out on the tree
-                depth = min(max_length - 2 - prefix_len, self.depth)  # the root sits at prefix_len
-                tree = self._tree_within(depth)  # every prefix of a path is a path: the cut tree is `depth` deep
-                tokens = torch.tensor([root], device=device)  # (1,) root only
-                if tree.size > 1:  # (N+1,) the root and the heads' guesses
-                    tokens = self.heads.tree_tokens(last_hidden, tokens, tree, self.lm_head, self.embed, self.top_k)
-                if self.lookup is not None:  # node d sits at position prefix_len + d
-                    room = max(max_length - 2 - prefix_len, 0)
-                    tree, tokens = tree.graft(tokens, self.lookup.propose(sequence)[:room])
-                mask = tree_attention_mask(tree.mask, tree.depths, prefix_len, self.windows, hidden.dtype)
-            with record_function("mtp.verify"):  # one forward pass of the base model over the whole tree
-                hidden = backbone(
-                    input_ids=tokens[None],
-                    position_ids=(prefix_len + tree.depths)[None],  # a node sits at its depth past the root
-                    attention_mask=mask,
-                    cache=cache,
-                    use_cache=True,
-                ).last_hidden_state[0]  # (N+1, H)
-            with record_function("mtp.accept"):
-                logits = self.logits(hidden)  # (N+1, V) the base model's next-token logits after each node
-                if sampling.greedy:
-                    nodes, root = self._accept_greedy(tokens, logits.argmax(-1), tree.retrieve)
-                elif sampling.acceptance == "exact":
-                    nodes, root = accept_exact(tokens.cpu(), tree.children, logits, sampling, generator)
-                else:
-                    nodes, root = accept_typical(tokens, tree.retrieve, logits, sampling, generator)
-                nodes = torch.as_tensor(nodes, device=device)  # (A+1,) root and accepted candidates
-            with record_function("mtp.cache"):
-                keep_accepted(cache, prefix_len, nodes)
-            prefix_len += len(nodes)
-            last_hidden = hidden[nodes[-1]]
-            settled = tokens[nodes[1:]].tolist() + [root]
-            if self.lookup is None:
-                yield settled, 0
-                continue
-            sequence = torch.cat([sequence, torch.tensor(settled)])
-            yield settled, int((tree.ranks[nodes] == LOOKUP).sum())
-
-    @staticmethod
-    def _accept_greedy(
-        tokens: torch.Tensor, predictions: torch.Tensor, paths: torch.Tensor
-    ) -> tuple[torch.Tensor, int]:
-        """Along each root-to-leaf path, node d+1 is right iff its token is the base model's prediction at node
-        d; the path with the most leading right nodes wins, and the prediction after its last is the bonus."""
-        children = paths[:, 1:]  # (L, D)
-        right = (children >= 0) & (tokens[children.clamp(min=0)] == predictions[paths[:, :-1].clamp(min=0)])
-        accepted = right.int().cumprod(1).sum(1)  # (L,)
-        best = int(accepted.argmax())
-        nodes = paths[best, : int(accepted[best]) + 1]  # (A+1,)
-        return nodes, int(predictions[nodes[-1]])
+            yield batch.step()[0]
 
     def generate(
-        self, prompt: str | list[dict], max_new_tokens: int = 128, stop: list[str] = (), sampling: Sampling = GREEDY
-    ) -> GenerationResult:
+        self,
+        prompt: str | list[dict] | list[str | list[dict]],
+        max_new_tokens: int = 128,
+        stop: list[str] = (),
+        sampling: Sampling = GREEDY,
+        batch_size: int = 1,
+    ) -> GenerationResult | list[GenerationResult]:
         """Generate: greedily (token for token what the base model alone would generate), or by `sampling`.
 
         Args:
-            prompt: chat messages (put through the chat template) or text (tokenized as it is).
+            prompt: chat messages (put through the chat template) or text (tokenized as it is); or a list of such
+                prompts, answered `batch_size` at a time, for a list of results in the same order.
             max_new_tokens: at most this many new tokens, exactly this many unless generation stops first; the
                 prompt and max_new_tokens together must fit the model's context window (else a ValueError says
                 by how much), as a server refuses a request that cannot fit.
             stop: stop sequences, matched on the decoded text; the result ends before the first one found.
             sampling: temperature, top-k, top-p, seed and acceptance rule; default greedy.
+            batch_size: how many prompts of a list are decoded together, in one verification pass per step; a
+                finished one leaves the batch at once and the next waiting prompt takes its place.
         """
-        result = GenerationResult()
-        for _ in self.stream(prompt, max_new_tokens, stop, result, sampling):
+        prompts = prompt if _is_list_of_prompts(prompt) else [prompt]
+        results = [GenerationResult() for _ in prompts]
+        for _ in self._answers(prompts, max_new_tokens, stop, sampling, batch_size, results):
             pass
-        return result
+        return results if _is_list_of_prompts(prompt) else results[0]
 
     def stream(
         self,
@@ -230,43 +174,87 @@ class Decoder:
         result: GenerationResult = None,
         sampling: Sampling = GREEDY,
     ) -> Iterator[str]:
-        """`generate`, yielding the text as it is settled and never any text past a stop sequence; pass a
-        `GenerationResult()` as `result` to get the figures once the stream ends."""
-        result = GenerationResult() if result is None else result
+        """`generate` of one prompt, yielding the text as it is settled and never any text past a stop sequence;
+        pass a `GenerationResult()` as `result` to get the figures once the stream ends."""
+        results = [GenerationResult() if result is None else result]
+        for _, text in self._answers([prompt], max_new_tokens, stop, sampling, 1, results):
+            yield text
+
+    def _answers(
+        self, prompts: list, max_new_tokens: int, stop: list[str], sampling: Sampling, batch_size: int,
+        results: list[GenerationResult],
+    ) -> Iterator[tuple[int, str]]:  # fmt: skip
+        """Decode `prompts`, at most `batch_size` at a time, filling `results`; yield (prompt index, new text)."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size}: decode at least 1 prompt at a time.")
         start = time.perf_counter()
-        stop = [s for s in stop if s]
-        input_ids = self.encode(prompt)
-        max_length = self.check_length(input_ids.shape[1], max_new_tokens)
-        shown = 0  # characters of text already yielded
+        encoded, max_lengths = [], []
+        for i, prompt in enumerate(prompts):  # every prompt checked before any work
+            try:
+                encoded.append(self.encode(prompt))
+                max_lengths.append(self.check_length(encoded[-1].shape[1], max_new_tokens))
+            except ValueError as error:
+                raise ValueError(f"Prompt {i + 1} of {len(prompts)}: {error}" if len(prompts) > 1 else error) from None
         if max_new_tokens == 0:
             return
-        for passes, (settled, from_lookup) in enumerate(self.steps(input_ids, sampling, max_length)):
-            if passes:  # the prefill is not a verification pass
-                result.forward_passes += 1
-                result.accept_lengths.append(len(settled))
-                result.lookup_accepted += from_lookup
-            for token in settled:
-                if token in self.eos_ids:
-                    result.finish_reason = "stop"
-                    break
-                result.token_ids.append(token)
-                if len(result.token_ids) == max_new_tokens:
-                    break
-            text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-            found = [(text.find(s), s) for s in stop if s in text]
-            if found:  # the earliest stop sequence ends the text; keep the tokens wholly before it
-                cut, result.stop_sequence = min(found)
-                result.finish_reason, text = "stop", text[:cut]
-                while len(self.tokenizer.decode(result.token_ids, skip_special_tokens=True)) > cut:
-                    result.token_ids.pop()
-            result.text, result.seconds = text, time.perf_counter() - start
-            done = result.finish_reason == "stop" or len(result.token_ids) == max_new_tokens
-            visible = len(text) if done else _holdback(text, stop)
-            if visible > shown:
-                yield text[shown:visible]
-                shown = visible
-            if done:
-                return
+        batch, answers, waiting = Batch(self, sampling), [], list(range(len(prompts)))[::-1]
+        while waiting or answers:
+            if waiting and len(answers) < batch_size:  # a prompt joins: its prefill settles its first token
+                i = waiting.pop()
+                answers.append(_Answer(i, results[i], max_new_tokens, [s for s in stop if s], start))
+                passes = [(answers[-1], ([batch.add(encoded[i], max_lengths[i])], 0), False)]
+            else:
+                passes = [(answer, settled, True) for answer, settled in zip(answers, batch.step(), strict=True)]
+            for answer, (settled, from_lookup), verified in passes:
+                if text := answer.take(self.tokenizer, self.eos_ids, settled, from_lookup, verified):
+                    yield answer.index, text
+            batch.keep([not answer.done for answer in answers])
+            answers = [answer for answer in answers if not answer.done]
+
+
+@dataclass
+class _Answer:
+    """One prompt's output as passes settle its tokens: the stop rules, and how much of the text is shown."""
+
+    index: int
+    result: GenerationResult
+    max_new_tokens: int
+    stop: list[str]
+    start: float
+    shown: int = 0
+    done: bool = False
+
+    def take(self, tokenizer, eos_ids: set[int], settled: list[int], from_lookup: int, verified: bool) -> str:
+        """Add the tokens a pass settled (a verification pass, or the prefill); return the text now safe to show."""
+        result = self.result
+        if verified:
+            result.forward_passes += 1
+            result.accept_lengths.append(len(settled))
+            result.lookup_accepted += from_lookup
+        for token in settled:
+            if token in eos_ids:
+                result.finish_reason = "stop"
+                break
+            result.token_ids.append(token)
+            if len(result.token_ids) == self.max_new_tokens:
+                break
+        text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        found = [(text.find(s), s) for s in self.stop if s in text]
+        if found:  # the earliest stop sequence ends the text; keep the tokens wholly before it
+            cut, result.stop_sequence = min(found)
+            result.finish_reason, text = "stop", text[:cut]
+            while len(tokenizer.decode(result.token_ids, skip_special_tokens=True)) > cut:
+                result.token_ids.pop()
+        result.text, result.seconds = text, time.perf_counter() - self.start
+        self.done = result.finish_reason == "stop" or len(result.token_ids) == self.max_new_tokens
+        visible = len(text) if self.done else _holdback(text, self.stop)
+        new, self.shown = text[self.shown : visible], max(self.shown, visible)
+        return new
+
+
+def _is_list_of_prompts(prompt) -> bool:
+    """A list of prompts (strings, or lists of chat messages), not one prompt given as chat messages."""
+    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], dict)
 
 
 def _holdback(text: str, stop: list[str]) -> int:

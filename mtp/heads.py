@@ -201,9 +201,9 @@ class Heads(nn.Module):
         return ids[self.draft_logits(hidden, base_lm_head, num_heads, following, first).topk(k, dim=-1).indices]
 
     def tree_tokens(self, hidden, root: torch.Tensor, tree, base_lm_head, embed: nn.Module, k: int) -> torch.Tensor:
-        """The token of every node of `tree` (an `mtp.tree.Tree`): the root's, then each node's guess, node
-        (r1, .., rd) being rank rd of head d-1's guesses: hidden (H,) at the root's parent, root (1,) -> (N+1,).
-        `embed` is the base model's input embedding; `k` the highest rank in the tree + 1."""
+        """The token of every node of `tree` (an `mtp.tree.Tree`) in each of B rows: the root's, then each node's
+        guess, node (r1, .., rd) being rank rd of head d-1's guesses: hidden (B, H) at the root's parent, root
+        (B, 1) -> (B, N+1). `embed` is the base model's input embedding; `k` the highest rank in the tree + 1."""
         raise NotImplementedError
 
     def _draft_rows(self, base_lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -330,12 +330,12 @@ class MedusaHeads(Heads):
         return self.blocks[k](hidden)
 
     def guesses(self, hidden: torch.Tensor, base_lm_head: nn.Module, num_heads: int, k: int) -> torch.Tensor:
-        """Token ids of the top-k guesses of the first `num_heads` heads: hidden (H,) -> (D, k)."""
+        """Token ids of the top-k guesses of the first `num_heads` heads: hidden (..., H) -> (D, ..., k)."""
         return self._best(hidden, base_lm_head, num_heads, k)
 
     def tree_tokens(self, hidden, root: torch.Tensor, tree, base_lm_head, embed: nn.Module, k: int) -> torch.Tensor:
-        guesses = self.guesses(hidden, base_lm_head, len(tree.levels), k)  # (D, k): only the heads the tree reaches
-        return torch.cat([root, guesses[tree.depths[1:] - 1, tree.ranks[1:]]])  # (N+1,)
+        guesses = self.guesses(hidden, base_lm_head, len(tree.levels), k)  # (D, B, k): only the heads the tree reaches
+        return torch.cat([root, guesses[tree.depths[1:] - 1, :, tree.ranks[1:]].T], 1)  # (N, B) -> (B, N+1)
 
 
 class HydraHeads(Heads):
@@ -362,11 +362,11 @@ class HydraHeads(Heads):
         return self.blocks[k](self.inputs[k](torch.cat([hidden.expand(*path.shape[:-1], -1), path], -1)))
 
     def tree_tokens(self, hidden, root: torch.Tensor, tree, base_lm_head, embed: nn.Module, k: int) -> torch.Tensor:
-        tokens = torch.cat([root, root.new_zeros(tree.size - 1)])  # (N+1,) filled level by level
+        tokens = torch.cat([root, root.new_zeros(len(root), tree.size - 1)], 1)  # (B, N+1) filled level by level
         for depth, (nodes, rows, paths) in enumerate(tree.levels, 1):
-            following = embed(tokens[paths])  # (P, depth, H): each parent's path, root first
-            best = self._best(hidden, base_lm_head, 1, k, following, first=depth - 1)[0]  # (P, k)
-            tokens[nodes] = best[rows, tree.ranks[nodes]]
+            following = embed(tokens[:, paths])  # (B, P, depth, H): each parent's path, root first
+            best = self._best(hidden[:, None], base_lm_head, 1, k, following, first=depth - 1)[0]  # (B, P, k)
+            tokens[:, nodes] = best[:, rows, tree.ranks[nodes]]  # (B, M)
         return tokens
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import mtp.sampling
-from mtp.decoding import Decoder
+from mtp.batch import accept_greedy
 from mtp.sampling import Sampling, accept_exact, accept_typical
 from mtp.tree import Tree
 
@@ -23,14 +23,14 @@ def test_greedy_acceptance_counts_the_leading_right_nodes_not_all_right_ones():
     # the base model's prediction after each node: after the root 2 (node 2 right, nodes 1 and 3 wrong); after
     # node 1, 4 (node 4 right, but node 1 itself was wrong); after node 2, 0 (node 6 wrong)
     predictions = torch.tensor([2, 4, 0, 7, 7, 7, 0])
-    nodes, bonus = Decoder._accept_greedy(tokens, predictions, TREE.retrieve)
+    nodes, bonus = accept_greedy(tokens, predictions, TREE.retrieve)
     assert nodes.tolist() == [0, 2] and bonus == 0  # not [0, 1, 4]: a wrong node ends its path
 
 
 def test_greedy_acceptance_takes_a_whole_right_path_and_the_prediction_after_it():
     tokens = torch.tensor([9, 1, 2, 3, 4, 5, 6])
     predictions = torch.tensor([1, 5, 6, 7, 7, 8, 7])  # root -> node 1 -> node 5 right; after node 5: 8
-    nodes, bonus = Decoder._accept_greedy(tokens, predictions, TREE.retrieve)
+    nodes, bonus = accept_greedy(tokens, predictions, TREE.retrieve)
     assert nodes.tolist() == [0, 1, 5] and bonus == 8
 
 

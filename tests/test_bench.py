@@ -42,6 +42,22 @@ def test_bench_writes_its_json_and_table_and_finds_no_mismatch(tmp_path, samplin
     assert out.with_suffix(".md").read_text().startswith("| category |") and "| overall | 3 |" in done.stdout
 
 
+def test_bench_of_batches_measures_each_size_and_finds_mtp_equal_to_each_prompt_alone(tmp_path):
+    path, _, _ = save_random_heads(tmp_path, "own")
+    out = tmp_path / "bench.json"
+    command = [sys.executable, "-m", "mtp.bench", "--heads", path, "--questions", str(DATA / "mt_bench.jsonl"),
+               "--limit", "5", "--max-new-tokens", "12", "--out", str(out), "--batch-size", "1", "2", "4"]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["batches"]
+    assert [r["batch_size"] for r in rows] == [1, 2, 4]
+    for r in rows:
+        assert r["mismatches_vs_alone"] == 0 and r["mtp_tokens_per_second"] > 0 and r["tau"] >= 1
+        assert r["speedup_vs_plain"] == pytest.approx(r["mtp_tokens_per_second"] / r["plain_tokens_per_second"])
+    assert rows[0]["speedup_vs_mtp_alone"] == 1 and rows[0]["plain_batched_mismatches_vs_alone"] == 0  # B = 1
+    assert out.with_suffix(".md").read_text().startswith("| B |") and "| 4 |" in done.stdout
+
+
 def row(passes, tokens, plain, lookup, seconds, accepted, from_lookup, matches=True):
     """A benchmark row: mtp's forward passes, tokens of mtp, plain and lookup, seconds of mtp, plain and lookup,
     mtp's accept lengths and its accepted candidates from lookup."""

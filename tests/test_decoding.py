@@ -45,23 +45,26 @@ def reference(model, input_ids, max_new_tokens):
 
 
 class OracleHeads(MedusaHeads):
-    """Heads that know the future: they look up which position of a reference causal run the given hidden state
-    belongs to and put all their mass on the true tokens t+2 .. t+K+1 (laid out on the tree as Medusa heads')."""
+    """Heads that know the future: they look up which position of which reference causal run (one per prompt) the
+    given hidden state belongs to and put all their mass on the true tokens t+2 .. t+K+1 (laid out on the tree as
+    Medusa heads')."""
 
-    def __init__(self, model, sequence: torch.Tensor, num_heads: int):
-        nn.Module.__init__(self)  # no weights: the guesses come from the reference run
+    def __init__(self, model, sequence: torch.Tensor | list[torch.Tensor], num_heads: int):
+        nn.Module.__init__(self)  # no weights: the guesses come from the reference runs
+        self.sequences = [sequence] if isinstance(sequence, torch.Tensor) else sequence
         with torch.no_grad():
-            self.hidden = model.get_decoder()(input_ids=sequence[None]).last_hidden_state[0]  # (T, H)
-        self.sequence, self.vocab = sequence, model.config.vocab_size
-        self.config = types.SimpleNamespace(num_heads=num_heads)
+            self.hidden = [model.get_decoder()(input_ids=s[None]).last_hidden_state[0] for s in self.sequences]
+        self.vocab, self.config = model.config.vocab_size, types.SimpleNamespace(num_heads=num_heads)
 
     def guesses(self, hidden, lm_head, num_heads, k):
-        t = int((self.hidden - hidden).abs().amax(-1).argmin())
-        logits = torch.zeros(num_heads, self.vocab)  # (D, V)
-        for head in range(num_heads):
-            if t + head + 2 < len(self.sequence):
-                logits[head, self.sequence[t + head + 2]] = 1.0
-        return logits.topk(k, dim=-1).indices  # (D, k)
+        logits = torch.zeros(num_heads, len(hidden), self.vocab)  # (D, B, V)
+        for b, state in enumerate(hidden):  # the closest hidden state of every reference run: (run, position)
+            run, t = min(((r, int(d.argmin()), float(d.min())) for r, d in enumerate(
+                (h - state).abs().amax(-1) for h in self.hidden)), key=lambda found: found[2])[:2]  # fmt: skip
+            for head in range(num_heads):
+                if t + head + 2 < len(self.sequences[run]):
+                    logits[head, b, self.sequences[run][t + head + 2]] = 1.0
+        return logits.topk(k, dim=-1).indices  # (D, B, k)
 
 
 def random_heads(model, num_heads=4, seed=1, head_type="medusa"):
@@ -166,7 +169,7 @@ def test_the_cache_after_acceptance_equals_a_causal_run(tokenizer):
             attention_mask=mask[None, None],
             position_ids=(prefix.shape[1] + TREE.depths)[None],
         )
-        keep_accepted(cache, prefix.shape[1], nodes)
+        keep_accepted(cache, torch.arange(prefix.shape[1])[None], [nodes], torch.tensor([prefix.shape[1]]))
         model(torch.cat([prefix[0], tokens[nodes]])[None], cache=causal, use_cache=True)
     assert cache.get_seq_length() == causal.get_seq_length() == prefix.shape[1] + 3
     for ours, theirs in zip(cache.layers, causal.layers, strict=True):
@@ -189,12 +192,15 @@ def test_trained_heads_give_the_base_models_greedy_output(tokenizer, tmp_path, h
     model = module.base_model
     model.generation_config.eos_token_id = None  # no early stop on either side
     decoder = Decoder(model, tokenizer, module.heads.eval(), TREE)
-    for question in ("Count from 3 to 20.", "List 9 days of the week starting with Monday."):
-        messages = [{"role": "user", "content": question}]
-        input_ids = decoder.encode(messages)
+    chats = [[{"role": "user", "content": question}] for question in ("Count from 3 to 20.", "Hi",
+             "List 9 days of the week starting with Monday.")]  # fmt: skip
+    expected = [reference(model, decoder.encode(messages), 32) for messages in chats]
+    for messages, tokens in zip(chats, expected, strict=True):
         result = decoder.generate(messages, max_new_tokens=32)
-        assert result.token_ids == reference(model, input_ids, 32)
+        assert result.token_ids == tokens
         assert result.tau > 1.5  # the trained heads are right often (random ones, as in the test above, near never)
+    batched = decoder.generate(chats, max_new_tokens=32, batch_size=2)  # rows of different lengths, one joining late
+    assert [result.token_ids for result in batched] == expected
 
 
 def test_the_packaged_smollm2_decodes_mt_bench_exactly_as_its_own_greedy_search():
@@ -234,5 +240,5 @@ def test_the_shipped_heads_decode_the_first_mt_bench_question_as_plain_greedy_do
     question = json.loads((DATA / "mt_bench.jsonl").read_text().splitlines()[0])["turns"][0]
     messages = [{"role": "user", "content": question}]
     result = decoder.generate(messages, max_new_tokens=128)
-    expected, _ = timed_generate(decoder.base_model, decoder.encode(messages), 128, GREEDY)  # plain, EOS cut
+    (expected,), _ = timed_generate(decoder.base_model, [decoder.encode(messages)], 128, GREEDY)  # plain, EOS cut
     assert result.token_ids == expected and max(result.accept_lengths) > 1  # some guesses were accepted

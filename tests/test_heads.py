@@ -101,7 +101,7 @@ def test_hydra_heads_fill_each_node_with_the_guess_for_its_own_path(tiny, config
     tree = Tree.from_paths([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (2, 0), (0, 0, 0), (1, 0, 0), (0, 1, 0)])
     hidden, root = torch.randn(config.hidden_size), torch.tensor([7])
     with torch.no_grad():
-        tokens = heads.tree_tokens(hidden, root, tree, lm_head_module, embed, k=3)  # (N+1,)
+        tokens = heads.tree_tokens(hidden[None], root[None], tree, lm_head_module, embed, k=3)[0]  # (N+1,)
         assert tokens.shape == (tree.size,) and tokens[0] == 7
         for node, path in enumerate(tree.paths, 1):
             ancestors = tree.mask[tree.parents[node]].nonzero()[:, 0]  # root .. parent

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-import mtp.decoding
+import mtp.batch
 from mtp.decoding import Decoder
 from mtp.heads import HEAD_TYPES, HeadsConfig
 from mtp.lookup import Lookup
@@ -41,10 +41,10 @@ def small_vocab_decoder(seed=0, sliding_window=None, head_type="medusa", lookup=
     return Decoder(model, None, heads.eval(), TREE, lookup)
 
 
-def exact_joint(model, sampling: Sampling) -> dict[tuple, float]:
-    """The base model's probability of every 3-token continuation of PROMPT, by enumeration."""
+def exact_joint(model, sampling: Sampling, prompt: torch.Tensor = PROMPT) -> dict[tuple, float]:
+    """The base model's probability of every 3-token continuation of `prompt` (1, P), by enumeration."""
     sequences = torch.tensor(list(itertools.product(range(VOCAB), repeat=2)))  # (V^2, 2)
-    ids = torch.cat([PROMPT.expand(len(sequences), -1), sequences], 1)  # (V^2, P+2)
+    ids = torch.cat([prompt.expand(len(sequences), -1), sequences], 1)  # (V^2, P+2)
     with torch.no_grad():
         probs = sampling.probabilities(model(ids).logits[:, -3:])  # (V^2, 3, V) after the prompt, x1, x2
     joint = {}
@@ -113,10 +113,10 @@ def test_the_distribution_test_catches_a_rule_that_accepts_every_guess(monkeypat
         nodes = [0]
         while children[nodes[-1]]:
             nodes.append(children[nodes[-1]][0])
-        return nodes, mtp.decoding.draw(sampling.probabilities(logits[nodes[-1]]), generator)
+        return nodes, mtp.batch.draw(sampling.probabilities(logits[nodes[-1]]), generator)
 
     decoder, sampling = small_vocab_decoder(), SETTINGS[0]
-    monkeypatch.setattr(mtp.decoding, "accept_exact", accept_always)
+    monkeypatch.setattr(mtp.batch, "accept_exact", accept_always)
     found, _ = sample(decoder, sampling, 2_000)
     with pytest.raises(AssertionError, match="cannot produce|chi"):
         assert chi_square_z(found, exact_joint(decoder.base_model, sampling)) < 4, "chi-square rejects"

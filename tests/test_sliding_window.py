@@ -60,14 +60,17 @@ def test_the_windowed_tree_mask_equals_causal_attention_along_every_path(model_t
     prefix_len = PROMPT.shape[1]
     with torch.no_grad():
         model(PROMPT, cache=cache, use_cache=True)
-        mask = tree_attention_mask(TREE.mask, TREE.depths, prefix_len, attention_windows(model.config), torch.float32)
+        slots = torch.arange(prefix_len)[None]  # (1, P) the prompt's positions
+        positions = (prefix_len + TREE.depths)[None]  # (1, N+1)
+        mask = tree_attention_mask(TREE.mask[None], positions, slots, attention_windows(model.config), torch.float32)
         tree_logits = model(tokens[None], cache=cache, attention_mask=mask,
-                            position_ids=(prefix_len + TREE.depths)[None]).logits[0]  # fmt: skip
+                            position_ids=positions).logits[0]  # fmt: skip
         for path in TREE.retrieve:
             nodes = path[path >= 0]
             causal = model(torch.cat([PROMPT[0], tokens[nodes]])[None]).logits[0, prefix_len:]  # (len, V)
             torch.testing.assert_close(tree_logits[nodes], causal, atol=1e-5, rtol=1e-4)
-        keep_accepted(cache, prefix_len, nodes[:4])  # then the next pass sees what a causal run would have cached
+        # then the next pass sees what a causal run would have cached
+        keep_accepted(cache, slots, [nodes[:4]], torch.tensor([prefix_len]))
         after = model(tokens[:1, None], cache=cache, position_ids=torch.tensor([[prefix_len + 4]])).logits[0, -1]
         causal = model(torch.cat([PROMPT[0], tokens[nodes[:4]], tokens[:1]])[None]).logits[0, -1]
     torch.testing.assert_close(after, causal, atol=1e-5, rtol=1e-4)

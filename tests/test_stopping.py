@@ -168,6 +168,25 @@ def test_decode_py_answers_prompts_as_json_lines(tmp_path):
     assert "tau" in done.stderr and "tokens/s" in done.stderr
 
 
+def test_decode_py_answers_a_file_in_batches_as_one_by_one(tmp_path):
+    path, _, _ = save_random_heads(tmp_path)
+    prompts = tmp_path / "questions.jsonl"
+    rows = [{"turns": ["Count to 5.", "And to 6?"]}, {"prompt": "Hi"}, {"turns": ["Name three colours, then stop."]}]
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    command = [sys.executable, str(ROOT / "decode.py"), "--heads", path, "--prompts-file", str(prompts), "--json",
+               "--max-new-tokens", "12"]  # fmt: skip
+    runs = [subprocess.run(command + ["--batch-size", size], cwd=ROOT, capture_output=True, text=True, timeout=300)
+            for size in ("1", "2")]  # fmt: skip
+    assert all(done.returncode == 0 for done in runs), runs[1].stderr[-2000:]
+    one_by_one, batched = ([json.loads(line) for line in done.stdout.splitlines()] for done in runs)
+    assert [a["prompt"] for a in batched] == ["Count to 5.", "Hi", "Name three colours, then stop.", "And to 6?"]
+    by_prompt = {a["prompt"]: (a["text"], a["tokens"], a["finish_reason"]) for a in one_by_one}
+    assert {a["prompt"]: (a["text"], a["tokens"], a["finish_reason"]) for a in batched} == by_prompt
+    streamed = subprocess.run(command + ["--batch-size", "2", "--stream"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+    assert streamed.returncode != 0 and "--batch-size 2: give B >= 1; B > 1 answers" in streamed.stderr
+
+
 def test_an_attention_that_takes_no_4d_mask_is_refused_at_load(setup, tokenizer):
     model, _, _ = setup
     implementation = model.config._attn_implementation

@@ -1,0 +1,158 @@
+"""Batched tree decoding: every row's output is its prompt's own, decoded alone, whatever the other rows of the
+batch hold, accept or stop at."""
+
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from mtp.base import load_tokenizer
+from mtp.batch import Batch
+from mtp.cache import append_rows, attention_windows, keep_accepted, keep_rows, tree_attention_mask
+from mtp.decoding import Decoder
+from mtp.lookup import Lookup
+from mtp.sampling import Sampling
+from tests.conftest import TINY_BASE
+from tests.test_decoding import TREE, OracleHeads, random_heads, reference, tiny_model
+from tests.test_sampling import chi_square_z, exact_joint, small_vocab_decoder
+from tests.test_sliding_window import SLIDING
+
+# prompts of 1 to 12 tokens: rows of different lengths share the cache from the first step
+PROMPTS = ["Count from 3 to 40: 3, 4, 5, 6,", "Hi", "The quick brown fox jumps over the lazy dog", "a b a b a b a"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(TINY_BASE)
+
+
+MODELS = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),
+    "mistral": ("mistral", {}),
+    "phi3": ("phi3", {}),
+    "gpt_neox": ("gpt_neox", {}),
+    "mistral-window16": ("mistral", SLIDING["mistral"]),  # every layer slides
+    "gemma2-window16": ("gemma2", SLIDING["gemma2"]),  # full and sliding layers, soft caps
+}
+
+
+@pytest.mark.parametrize("heads", ["oracle", "medusa", "hydra"])
+@pytest.mark.parametrize("name", MODELS)
+def test_each_row_of_a_batch_is_its_prompt_decoded_alone(name, heads, tokenizer):
+    model_type, overrides = MODELS[name]
+    model = tiny_model(model_type, **overrides)
+    prompts = [tokenizer(prompt, return_tensors="pt").input_ids for prompt in PROMPTS]
+    alone = [reference(model, input_ids, 40) for input_ids in prompts]  # each prompt alone, no early stop
+    # EOS: the first token of prompt 0's output that is new after its sixth, so that row stops early (inside an
+    # accepted block, with the oracle) while the others go on, and the fourth prompt takes its place
+    eos = next(token for i, token in enumerate(alone[0]) if i >= 6 and token not in alone[0][:i])
+    model.generation_config.eos_token_id = eos
+    expected = [tokens[: tokens.index(eos)] if eos in tokens else tokens for tokens in alone]
+    if heads == "oracle":
+        runs = [torch.cat([ids[0], torch.tensor(tokens)]) for ids, tokens in zip(prompts, alone, strict=True)]
+        drafter = OracleHeads(model, runs, num_heads=4)
+    else:
+        drafter = random_heads(model, head_type=heads)
+    results = Decoder(model, tokenizer, drafter, TREE).generate(PROMPTS, max_new_tokens=40, batch_size=3)
+    assert [result.token_ids for result in results] == expected
+    assert [result.finish_reason for result in results] == ["stop" if eos in t else "length" for t in alone]
+    assert len(expected[0]) < 40 and any(len(tokens) == 40 for tokens in expected)  # some rows stopped early
+    if heads == "oracle":  # rows accepted whole blocks, at their own pace
+        assert all(result.tau > 2.5 for result in results if len(result.token_ids) > 10)
+
+
+def test_finished_rows_leave_the_batch_and_waiting_prompts_take_their_place(tokenizer, monkeypatch):
+    sizes = []  # rows verified by each pass
+    step = Batch.step
+    monkeypatch.setattr(Batch, "step", lambda batch: sizes.append(len(batch)) or step(batch))
+    model = tiny_model()
+    prompts = [tokenizer(prompt, return_tensors="pt").input_ids for prompt in PROMPTS]
+    model.generation_config.eos_token_id = reference(model, prompts[1], 5)[4]  # prompt 1 ends after <= 4 tokens
+    decoder = Decoder(model, tokenizer, random_heads(model), TREE)
+    results = decoder.generate(PROMPTS, max_new_tokens=30, batch_size=2)
+    assert max(sizes) == 2 and sizes[-1] == 1  # never more than 2 rows; the last row alone at the end
+    assert sum(sizes) == sum(result.forward_passes for result in results)  # a finished row costs no more work
+    assert len(results[1].token_ids) < 5 and results[1].finish_reason == "stop"
+    assert [result.token_ids for result in results] == [decoder.generate(prompt, 30).token_ids for prompt in PROMPTS]
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2-window3"])
+def test_rows_of_different_lengths_attend_as_causal_runs_after_uneven_acceptance(name):
+    """The batch's mask lets each row's tree nodes see exactly their own prefix and ancestors (a window of 3
+    cuts both in gemma2's sliding layers), across empty slots: the padding of the shorter prompt and the slots a
+    row did not fill with accepted nodes. Dropping a row keeps the other's attention as it was."""
+    model = tiny_model("gemma2", **(SLIDING["gemma2"] | {"sliding_window": 3})) if name != "llama" else tiny_model()
+    windows = attention_windows(model.config)
+    generator = torch.Generator().manual_seed(0)
+    prefixes = [torch.randint(0, 512, (n,), generator=generator) for n in (9, 4)]
+    tokens = torch.randint(0, 512, (2, TREE.size), generator=generator)  # any token at any node
+
+    def causal(row: int, ids: torch.Tensor) -> torch.Tensor:  # (len(ids), V) row's prefix then ids, alone
+        return model(torch.cat([prefixes[row], ids])[None]).logits[0, len(prefixes[row]) :]
+
+    def next_token(cache, slots, prefix_lens, rows) -> torch.Tensor:  # one more token per row, tokens[:, 0]
+        mask = tree_attention_mask(torch.ones(len(rows), 1, 1, dtype=torch.bool), prefix_lens[:, None], slots,
+                                   windows, torch.float32)  # fmt: skip
+        logits = model(tokens[rows, :1], cache=cache, attention_mask=mask, position_ids=prefix_lens[:, None]).logits
+        return logits[:, 0], keep_accepted(cache, slots, [torch.tensor([0])] * len(rows), prefix_lens)
+
+    with torch.no_grad():
+        cache, other = DynamicCache(), DynamicCache()  # every position on every layer, as the decoder's
+        for prefix, prefill in zip(prefixes, (cache, other), strict=True):
+            model(prefix[None], cache=prefill, use_cache=True)
+        slots = append_rows(cache, torch.arange(9)[None], other, torch.arange(4)[None])  # (2, 9): 5 empty in row 1
+        prefix_lens = torch.tensor([9, 4])
+        positions = prefix_lens[:, None] + TREE.depths  # (2, N+1)
+        mask = tree_attention_mask(TREE.mask.expand(2, -1, -1), positions, slots, windows, torch.float32)
+        tree_logits = model(tokens, cache=cache, attention_mask=mask, position_ids=positions).logits  # (2, N+1, V)
+        for row in (0, 1):
+            for path in TREE.retrieve:
+                nodes = path[path >= 0]
+                torch.testing.assert_close(tree_logits[row, nodes], causal(row, tokens[row, nodes]), atol=1e-5,
+                                           rtol=1e-4)  # fmt: skip
+        deepest = TREE.retrieve[-1][TREE.retrieve[-1] >= 0]
+        accepted = [deepest[:4], deepest[:1]]  # row 0: root and 3 candidates; row 1: its root alone
+        slots = keep_accepted(cache, slots, accepted, prefix_lens)  # (2, 13): 3 more empty slots in row 1
+        assert slots.shape == (2, 13) and (slots[1] >= 0).sum() == 5
+        prefix_lens += torch.tensor([4, 1])
+        after, slots = next_token(cache, slots, prefix_lens, [0, 1])
+        for row in (0, 1):
+            ids = torch.cat([tokens[row, accepted[row]], tokens[row, :1]])
+            torch.testing.assert_close(after[row], causal(row, ids)[-1], atol=1e-5, rtol=1e-4)
+        slots = keep_rows(cache, slots, torch.tensor([False, True]))  # row 0 leaves
+        assert slots.shape == (1, 6) and sorted(slots[0].tolist()) == list(range(6))  # row 1's 6 slots, no empty
+        after, _ = next_token(cache, slots, prefix_lens[1:] + 1, [1])
+        ids = torch.cat([tokens[1, accepted[1]], tokens[1, :1], tokens[1, :1]])
+        torch.testing.assert_close(after[0], causal(1, ids)[-1], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("lookup", [None, Lookup((3, 3))])
+def test_each_row_samples_its_own_prompts_distribution(lookup):
+    """Rows of two prompts (3 and 6 tokens) sampled together, four to a batch: each prompt's continuations
+    follow the base model's exact joint distribution of that prompt."""
+    decoder, sampling = small_vocab_decoder(lookup=lookup), Sampling(temperature=1.0, seed=0)
+    prompts = [torch.tensor([[3, 7, 1]]), torch.tensor([[5, 2, 6, 0, 4, 3]])]
+    found, settled = [Counter(), Counter()], Counter()
+    for i in range(4_000):
+        batch = Batch(decoder, replace(sampling, seed=i))
+        rows = [[batch.add(prompts[b % 2])] for b in range(4)]
+        while min(len(tokens) for tokens in rows) < 3:
+            for tokens, (block, _) in zip(rows, batch.step(), strict=True):
+                tokens += block
+                settled[len(block) > 1] += 1
+        for b, tokens in enumerate(rows):
+            found[b % 2][tuple(tokens[:3])] += 1
+    assert settled[True] > 1000 and settled[False] > 1000  # acceptances and rejections
+    for prompt, counts in zip(prompts, found, strict=True):
+        assert chi_square_z(counts, exact_joint(decoder.base_model, sampling, prompt)) < 4
+
+
+def test_bad_batches_are_clear_errors(tokenizer):
+    decoder = Decoder(tiny_model(), tokenizer)
+    with pytest.raises(ValueError, match="batch_size=0: decode at least 1 prompt at a time"):
+        decoder.generate(PROMPTS, batch_size=0)
+    with pytest.raises(ValueError, match="Prompt 2 of 3: The prompt is empty"):
+        decoder.generate(["Hi", " ", "Hello"], batch_size=2)
