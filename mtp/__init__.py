@@ -33,6 +33,9 @@ def load(
             it must be the same model: hidden size, vocabulary and tokenizer are checked.
         lookup: prompt lookup's candidates beside the heads' each step (see `mtp.lookup`); default: the
             lengths `mtp.sizing` chose for the heads (none if it chose none); `Lookup((0,))`: none.
+
+    With neither `tree` nor `lookup` given, steps over several prompts at once take the trees and lookups that
+    `mtp.sizing` chose per batch size (`HeadsConfig.batch_trees`); a given one holds for every step.
     """
     heads = Heads.from_pretrained(heads_path)
     name = base_model or heads.config.base_model
@@ -44,6 +47,11 @@ def load(
         chosen = named_tree(tree or DEFAULT_TREE, num_heads, heads.config.calibration)
     else:
         chosen = Tree.from_paths(heads.config.tree, num_heads=num_heads)
+    batch_trees = {}  # sized for steps over several prompts, unless the caller chose the tree or lookup
+    if tree is None and lookup is None:
+        for plan in heads.config.batch_trees:
+            plan_tree = Tree.from_paths(plan["tree"], num_heads=num_heads)
+            batch_trees[plan["rows"]] = plan_tree, Lookup(tuple(plan["lookup"]) or (0,))
     if lookup is None:
         lookup = Lookup(tuple(heads.config.lookup) or (0,))
-    return Decoder(model, tokenizer, heads.to(device=device, dtype=dtype).eval(), chosen, lookup)
+    return Decoder(model, tokenizer, heads.to(device=device, dtype=dtype).eval(), chosen, lookup, batch_trees)

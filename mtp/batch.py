@@ -85,7 +85,8 @@ class Batch:
             self.slots = append_rows(self.cache, self.slots, cache, slots)
         else:
             self.cache, self.slots = cache, slots
-        sequence = torch.cat([input_ids[0].cpu(), torch.tensor([root])]) if self.decoder.lookup else None
+        uses_lookup = any(lookup for _, lookup in self.decoder.plans.values())
+        sequence = torch.cat([input_ids[0].cpu(), torch.tensor([root])]) if uses_lookup else None
         max_length = max_length or self.decoder.context or sys.maxsize
         self.rows.append(Row(input_ids.shape[1], root, hidden[0, -1], max_length, sequence))
         return root
@@ -101,17 +102,17 @@ class Batch:
             self.cache, self.slots = DynamicCache(), None
 
     def _draft(self) -> tuple[list[Tree], list[torch.Tensor]]:
-        """Each row's tree and its tokens (N_b+1,): the heads' tree cut to the room of the row with the least,
-        with the row's prompt-lookup chain grafted on."""
+        """Each row's tree and its tokens (N_b+1,): the heads' tree of the decoder's plan for this many rows, cut
+        to the room of the row with the least, with the row's prompt-lookup chain grafted on."""
         decoder = self.decoder
-        tree = decoder.tree_within(min(decoder.depth, *(row.room for row in self.rows)))
+        tree, lookup = decoder.plan(len(self.rows), min(row.room for row in self.rows))
         tokens = torch.tensor([[row.root] for row in self.rows], device=self.device)  # (B, 1) the roots
-        if tree.size > 1:  # (B, N+1) the roots and the heads' guesses
-            hidden = torch.stack([row.hidden for row in self.rows])  # (B, H)
-            tokens = decoder.heads.tree_tokens(hidden, tokens, tree, decoder.lm_head, decoder.embed, decoder.top_k)
-        if decoder.lookup is None:
+        if tree.size > 1:  # (B, N+1) the roots and the heads' guesses, the best k of each head
+            hidden, k = torch.stack([row.hidden for row in self.rows]), int(tree.ranks.max()) + 1  # (B, H)
+            tokens = decoder.heads.tree_tokens(hidden, tokens, tree, decoder.lm_head, decoder.embed, k)
+        if lookup is None:
             return [tree] * len(self.rows), list(tokens)
-        chains = [decoder.lookup.propose(row.sequence)[: row.room] for row in self.rows]
+        chains = [lookup.propose(row.sequence)[: row.room] for row in self.rows]
         grafts = [tree.graft(row_tokens, chain) for row_tokens, chain in zip(tokens, chains, strict=True)]
         return [grafted for grafted, _ in grafts], [row_tokens for _, row_tokens in grafts]
 

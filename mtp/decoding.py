@@ -53,7 +53,9 @@ class Decoder:
     token for token to the base model's, or sampling with the base model's distribution (see `mtp.sampling`).
 
     With `lookup`, prompt lookup's candidates join the tree each step (see `mtp.lookup`). Without heads or
-    lookup, every step verifies the root alone: plain one-token decoding through the same loop.
+    lookup, every step verifies the root alone: plain one-token decoding through the same loop. `batch_trees`
+    gives steps over B or more prompts at once their own tree and lookup (a batch pays for every extra node
+    B times; `mtp.sizing` chooses them), the largest B that the step's rows reach deciding.
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class Decoder:
         heads: Heads | None = None,
         tree: Tree | None = None,
         lookup: Lookup | None = None,
+        batch_trees: dict[int, tuple[Tree, Lookup | None]] | None = None,
     ):
         if base_model.config._attn_implementation not in ("eager", "sdpa"):
             raise ValueError(
@@ -70,19 +73,20 @@ class Decoder:
                 f"{base_model.config.model_type} takes no custom 4D tree mask: load it with attn_implementation='sdpa'."
             )
         self.base_model, self.tokenizer, self.heads = base_model, tokenizer, heads
-        self.lookup = lookup if lookup is not None and lookup.reach else None
-        self.tree = tree if heads is not None and tree is not None else Tree.from_paths([])
-        if heads is not None and self.tree.size > 1:
-            Tree.from_paths(self.tree.paths, num_heads=heads.config.num_heads)  # check the depth fits the heads
+        self.plans = {}  # rows -> (tree, lookup or None) of a step over at least that many rows
+        for rows, (plan_tree, plan_lookup) in ({1: (tree, lookup)} | (batch_trees or {})).items():
+            plan_tree = plan_tree if heads is not None and plan_tree is not None else Tree.from_paths([])
+            if plan_tree.size > 1:  # check the depth fits the heads
+                Tree.from_paths(plan_tree.paths, num_heads=heads.config.num_heads)
+            self.plans[rows] = plan_tree, plan_lookup if plan_lookup is not None and plan_lookup.reach else None
+        self.tree, self.lookup = self.plans[1]
         eos = base_model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        self.top_k = int(self.tree.ranks.max()) + 1 if self.tree.size > 1 else 1
         self.lm_head, self.embed = base_model.get_output_embeddings(), base_model.get_input_embeddings()
-        self.depth = int(self.tree.depths.max())
         self.windows = attention_windows(base_model.config)
         self.context = getattr(base_model.config.get_text_config(decoder=True), "max_position_embeddings", None)
         self.softcap = getattr(base_model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
-        self._trees: dict[int, Tree] = {}  # the tree cut at each depth, on the model's device
+        self._trees: dict[tuple[int, int], Tree] = {}  # each plan's tree cut at each depth, on the model's device
 
     def encode(self, prompt: str | list[dict]) -> torch.Tensor:
         """Prompt ids (1, T): chat messages go through the chat template, a string is taken as it is."""
@@ -107,12 +111,15 @@ class Decoder:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
-    def tree_within(self, depth: int) -> Tree:
-        """The tree without nodes deeper than `depth` (at most the tree's own depth), on the model's device (built
-        once per depth)."""
-        if depth not in self._trees:
-            self._trees[depth] = self.tree.within(depth).to(self.base_model.device)
-        return self._trees[depth]
+    def plan(self, rows: int, depth: int) -> tuple[Tree, Lookup | None]:
+        """The tree (without nodes deeper than `depth`, on the model's device) and lookup of a step over `rows`
+        rows: those for the largest batch size in `plans` up to `rows`."""
+        batch = max(b for b in self.plans if b <= rows)
+        tree, lookup = self.plans[batch]
+        depth = min(depth, int(tree.depths.max()))
+        if (batch, depth) not in self._trees:
+            self._trees[batch, depth] = tree.within(depth).to(self.base_model.device)
+        return self._trees[batch, depth], lookup
 
     def check_length(self, prompt_len: int, max_new_tokens: int) -> int:
         """prompt_len + max_new_tokens, once checked: max_new_tokens >= 0, and the sum within the context window."""

@@ -47,6 +47,10 @@ class HeadsConfig:
     lookup: list[int] = field(default_factory=list)
     """Prompt-lookup tokens verified beside the tree after a match of 1, 2, ... tokens (`mtp.lookup.Lookup`'s
     lengths), chosen with the tree by `mtp.sizing`; empty: none."""
+    batch_trees: list[dict] = field(default_factory=list)
+    """Trees and lookups for steps over several prompts at once, chosen by `mtp.sizing`: each {"rows": B, "tree":
+    paths, "lookup": lengths} holds for steps over B or more rows (up to the next entry's B); empty: `tree` and
+    `lookup` for every step."""
     adapter: bool = False
     """The folder also holds a LoRA adapter of the base model trained with the heads (peft's `adapter_config.json`
     and `adapter_model.safetensors`): decoding merges it into the base, and the output is the adapted model's."""

@@ -18,6 +18,9 @@ simulated instead, step by step: at each root, the heads' tree accepts the true 
 plus the bonus token, and it costs step(N + lookup's tokens that are new nodes). Heads and lookup are measured
 together on the same answers, so their overlap is counted once. For every tree size, the lookup lengths (tokens
 after a match of 1, 2, 3 tokens) with the most tokens per second are searched, and the best pair is saved.
+The same is done for steps over 2, 4, 8 and 16 prompts at once (`mtp.batch`), with step times of that many rows
+and every row's tree padded to the largest of the batch: each extra node costs a batch step more than a single
+prompt's, so a batch's best tree is smaller; the pairs are saved as the heads' `batch_trees`.
 """
 
 import argparse
@@ -30,15 +33,19 @@ import time
 import torch
 
 from mtp.base import cache_dir, load_base
+from mtp.batch import Batch
 from mtp.cli import user_errors
 from mtp.data import add_held_out_arguments, held_out
 from mtp.decoding import Decoder
 from mtp.heads import Heads
 from mtp.lookup import FULL, MAX_NGRAM, Lookup
 from mtp.loss import following_tokens
+from mtp.sampling import GREEDY
 from mtp.tree import Path, Tree, grow_tree
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # tree sizes (root included) timed on the device
+BATCH_SIZES = (2, 4, 8, 16)  # prompts decoded at once that get a tree and lookup of their own
+BATCH_MAX_NODES = 16  # the largest tree sized for a batch
 LOOKUP_LENGTHS = tuple(range(FULL + 1))  # prompt-lookup tokens after a match that sizing chooses from
 
 
@@ -49,23 +56,25 @@ def device_name(device: str) -> str:
 
 
 def measure_steps(model, tokenizer, heads: Heads, paths: list[Path], context: int, steps: int = 4,
-                  rounds: int = 3) -> list[float]:  # fmt: skip
-    """Seconds per decoding step for each size in SIZES that `paths` can fill, after a prompt of `context`
-    random tokens; size 1 is plain decoding, without heads. Sizes are timed in turn, `rounds` times over
-    (so that a slow spell of the machine does not fall on one size), `steps` steps each after a warm-up
-    step; the median of each size's steps is its cost."""
-    prompt = torch.randint(len(tokenizer), (1, context), generator=torch.Generator().manual_seed(0))
-    sizes = [s for s in SIZES if s <= len(paths) + 1]
+                  rounds: int = 3, batch: int = 1) -> list[float]:  # fmt: skip
+    """Seconds per decoding step of `batch` rows for each size in SIZES that `paths` can fill (up to 16 when
+    batch > 1: a batch's best trees are smaller), after prompts of `context` random tokens; size 1 is plain
+    decoding, without heads. Sizes are timed in turn, `rounds` times over (so that a slow spell of the machine
+    does not fall on one size), `steps` steps each after a warm-up step; the median of each size's steps is its
+    cost."""
+    prompts = torch.randint(len(tokenizer), (batch, 1, context), generator=torch.Generator().manual_seed(0))
+    sizes = [s for s in SIZES if s <= len(paths) + 1 and (batch == 1 or s <= BATCH_MAX_NODES)]
     times = {size: [] for size in sizes}
     for _ in range(rounds):
         for size in sizes:
             decoder = Decoder(model, tokenizer, heads if size > 1 else None, Tree.from_paths(paths[: size - 1]))
-            loop = decoder.steps(prompt)
-            next(loop)  # prefill
-            next(loop)  # warm-up
+            rows = Batch(decoder, GREEDY)
+            for prompt in prompts:
+                rows.add(prompt)
+            rows.step()  # warm-up
             for _ in range(steps):
                 start = time.perf_counter()
-                next(loop)
+                rows.step()
                 if model.device.type == "cuda":
                     torch.cuda.synchronize()
                 times[size].append(time.perf_counter() - start)
@@ -131,34 +140,39 @@ def held_out_roots(model, heads: Heads, paths: list[Path], examples: list, looku
     return {name: torch.tensor(values) for name, values in rows.items()}
 
 
-def simulate(roots: dict[str, torch.Tensor], size: int, lengths: list[int], costs: list[float]) -> tuple:
+def simulate(roots: dict[str, torch.Tensor], size: int, lengths: list[int], costs: list[float], batch: int = 1):
     """(tokens, steps, seconds) of decoding the answers of `roots` (see `held_out_roots`) with the tree of the
     first size - 1 paths and lookup of `lengths` (lengths[n - 1] tokens after a match of n): a step accepts the
     longer of the heads' right path and lookup's right tokens, plus the bonus token, which is the next step's
-    root; it costs step(size + the lookup tokens that do not repeat the heads' right path)."""
+    root; it costs step(size + the lookup tokens that do not repeat the heads' right path). In a batch of
+    `batch` rows (`costs`: of steps over that many rows) every row's tree is padded to the largest: a step costs
+    step(the most nodes of `batch` steps drawn from the simulated ones)."""
     cap = torch.tensor([0, *lengths] + [0] * int(roots["match"].max()))[roots["match"]]  # no length: none
     heads, lookup = (roots["order"] < size - 1).sum(1), roots["right"].clamp(max=cap)
     # the next root: after the accepted tokens and the bonus one, or the next answer's first once none is left
     advance = (torch.maximum(heads, lookup) + 1).clamp(max=roots["left"]).tolist()
     nodes = size + roots["chain"].clamp(max=cap) - torch.minimum(heads, lookup)
-    seconds = torch.tensor(costs, dtype=torch.float64)[nodes - 1].tolist()
-    root = steps = 0
-    total = 0.0
+    visited, root = [], 0
     while root < len(advance):
-        total, steps, root = total + seconds[root], steps + 1, root + advance[root]
-    return len(advance), steps, total
+        visited.append(root)
+        root += advance[root]
+    # steps with at most n nodes, n = 1 .. len(costs); P(the most of `batch` steps is n) = F(n)^batch - F(n-1)^batch
+    at_most = torch.bincount(nodes[visited] - 1, minlength=len(costs)).cumsum(0).double()  # (C,)
+    below = torch.cat([at_most.new_zeros(1), at_most[:-1]])  # (C,) steps with at most n - 1 nodes
+    most = (at_most**batch - below**batch) / float(len(visited)) ** (batch - 1)  # (C,) steps whose most is n
+    return len(advance), len(visited), float((most * torch.tensor(costs, dtype=torch.float64)).sum())
 
 
-def best_lookup(roots: dict[str, torch.Tensor], size: int, costs: list[float]) -> tuple[list[int], tuple]:
+def best_lookup(roots: dict[str, torch.Tensor], size: int, costs: list[float], batch: int = 1) -> tuple:
     """The lookup lengths (one per match length, each from LOOKUP_LENGTHS) with the most tokens per second beside
     the `size`-node tree, by coordinate ascent from none, and their `simulate` figures."""
     lengths = [0] * int(roots["match"].max().clamp(min=1))
-    best = simulate(roots, size, lengths, costs)
+    best = simulate(roots, size, lengths, costs, batch)
     for _ in range(2):
         for n in range(len(lengths)):
             for value in LOOKUP_LENGTHS:
                 trial = lengths[:n] + [value] + lengths[n + 1 :]
-                found = simulate(roots, size, trial, costs)
+                found = simulate(roots, size, trial, costs, batch)
                 if found[0] / found[2] > best[0] / best[2]:
                     lengths, best = trial, found
     return lengths, best
@@ -195,12 +209,18 @@ def expected_speedups(heads_path: str, device: str = "cpu", dtype: torch.dtype =
                       f"context {context}"])  # fmt: skip
     store = cache_dir() / "step_seconds.json"
     cached = json.loads(store.read_text()) if store.is_file() else {}
-    if remeasure or len(cached.get(key, [])) < len([s for s in SIZES if s <= len(paths) + 1]):
-        cached[key] = measure_steps(model, tokenizer, heads, paths, context)
-        store.parent.mkdir(parents=True, exist_ok=True)
-        store.with_suffix(".tmp").write_text(json.dumps(cached, indent=1))
-        os.replace(store.with_suffix(".tmp"), store)
-    costs = step_costs(cached[key], len(expected) + max(LOOKUP_LENGTHS))
+
+    def measured_costs(batch: int) -> list[float]:  # seconds of a step of `batch` rows for sizes 1, 2, ...
+        name = key + (f" | batch {batch}" if batch > 1 else "")
+        sizes = [s for s in SIZES if s <= len(paths) + 1 and (batch == 1 or s <= BATCH_MAX_NODES)]
+        if remeasure or len(cached.get(name, [])) < len(sizes):
+            cached[name] = measure_steps(model, tokenizer, heads, paths, context, batch=batch)
+            store.parent.mkdir(parents=True, exist_ok=True)
+            store.with_suffix(".tmp").write_text(json.dumps(cached, indent=1))
+            os.replace(store.with_suffix(".tmp"), store)
+        return step_costs(cached[name], len(expected) + max(LOOKUP_LENGTHS))
+
+    costs = measured_costs(1)
     speedups = [tau * costs[0] / cost for tau, cost in zip(expected, costs, strict=False)]
     table = {"size": list(range(1, len(expected) + 1)), "expected_tau": expected,
              "step_seconds": costs[: len(expected)], "expected_speedup": speedups,
@@ -220,6 +240,14 @@ def expected_speedups(heads_path: str, device: str = "cpu", dtype: torch.dtype =
     table["chosen_lookup"] = best["lengths"] if any(best["lengths"]) else []
     table["roots"] = {"count": len(roots["match"]), "matched": [float((roots["match"] == n).float().mean())
                       for n in range(1, MAX_NGRAM + 1)]}  # fmt: skip
+    table["batches"] = []  # per batch size: the best tree size and lookup, against plain decoding of that batch
+    for batch in BATCH_SIZES:
+        batch_costs, found = measured_costs(batch), []
+        for size in table["size"][:BATCH_MAX_NODES]:
+            lengths, (tokens, steps, seconds) = best_lookup(roots, size, batch_costs, batch)
+            found.append({"rows": batch, "size": size, "lengths": lengths if any(lengths) else [],
+                          "tau": tokens / steps, "speedup": tokens * batch_costs[0] / seconds})  # fmt: skip
+        table["batches"].append(max(found, key=lambda row: row["speedup"]))
     return table
 
 
@@ -230,6 +258,10 @@ def size_tree(heads_path: str, **options) -> dict:
     heads = Heads.from_pretrained(heads_path)
     heads.config.tree = [list(path) for path in table["paths"][: table["chosen"] - 1]]
     heads.config.lookup = table["chosen_lookup"]
+    heads.config.batch_trees = []
+    for row in table.get("batches", []):
+        paths = [list(path) for path in table["paths"][: row["size"] - 1]]
+        heads.config.batch_trees.append({"rows": row["rows"], "tree": paths, "lookup": row["lengths"]})
     heads.save_config(heads_path)
     return table
 
@@ -266,6 +298,9 @@ def main() -> None:
         roots = table["roots"]
         shares = ", ".join(f"{n} tokens {share:.1%}" for n, share in enumerate(roots["matched"], 1))
         print(f"{roots['count']} held-out answer tokens as roots; lookup's longest match: {shares}")
+        for row in table["batches"]:
+            print(f"  {row['rows']} prompts at once: the {row['size']}-node tree, lookup {row['lengths'] or 'off'}, "
+                  f"held-out tau {row['tau']:.2f}, {row['speedup']:.2f}x plain decoding of {row['rows']}")  # fmt: skip
     lookup = table["chosen_lookup"] or "no"
     print(f"Saved the {table['chosen']}-node tree and {lookup} lookup tokens to {args.heads}/config.json")
 

@@ -14,6 +14,7 @@ from mtp.cache import append_rows, attention_windows, keep_accepted, keep_rows, 
 from mtp.decoding import Decoder
 from mtp.lookup import Lookup
 from mtp.sampling import Sampling
+from mtp.tree import Tree
 from tests.conftest import TINY_BASE
 from tests.test_decoding import TREE, OracleHeads, random_heads, reference, tiny_model
 from tests.test_sampling import chi_square_z, exact_joint, small_vocab_decoder
@@ -77,6 +78,20 @@ def test_finished_rows_leave_the_batch_and_waiting_prompts_take_their_place(toke
     assert sum(sizes) == sum(result.forward_passes for result in results)  # a finished row costs no more work
     assert len(results[1].token_ids) < 5 and results[1].finish_reason == "stop"
     assert [result.token_ids for result in results] == [decoder.generate(prompt, 30).token_ids for prompt in PROMPTS]
+
+
+def test_a_step_over_more_rows_takes_the_tree_planned_for_that_many(tokenizer):
+    model = tiny_model()
+    prompts = [tokenizer(prompt, return_tensors="pt").input_ids for prompt in PROMPTS[:3]]
+    alone = [reference(model, input_ids, 40) for input_ids in prompts]
+    runs = [torch.cat([ids[0], torch.tensor(tokens)]) for ids, tokens in zip(prompts, alone, strict=True)]
+    root_alone = Tree.from_paths([])  # two rows or more: plain one-token steps
+    decoder = Decoder(model, tokenizer, OracleHeads(model, runs, 4), TREE, batch_trees={2: (root_alone, None)})
+    results = decoder.generate(PROMPTS[:3], max_new_tokens=30, batch_size=2)
+    assert [result.token_ids for result in results] == [tokens[:30] for tokens in alone]
+    # prompts 0 and 1 step together, a token a pass, and end together; prompt 2 then runs alone on TREE
+    assert results[0].accept_lengths == results[1].accept_lengths == [1] * 29
+    assert results[2].tau > 2.5
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma2-window3"])

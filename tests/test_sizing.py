@@ -9,7 +9,7 @@ from mtp.base import load_tokenizer
 from mtp.decoding import Decoder
 from mtp.heads import HEAD_TYPES, MedusaHeads
 from mtp.lookup import FULL, Lookup
-from mtp.sizing import SIZES, held_out_roots, simulate, size_tree, step_costs
+from mtp.sizing import BATCH_SIZES, SIZES, held_out_roots, simulate, size_tree, step_costs
 from mtp.tree import Tree, grow_tree, named_tree
 from tests.conftest import TINY_BASE
 from tests.test_decoding import PROMPT, random_heads, reference, tiny_model
@@ -104,6 +104,9 @@ def test_the_simulated_decoding_of_held_out_answers_counted_by_hand():
     assert simulate(ROOTS, 1, [2, 5], costs) == (7, 4, 1 + 3 + 1 + 3)
     assert simulate(ROOTS, 1, [], costs) == (7, 7, 7)  # plain decoding
     assert simulate(ROOTS, 4, [10], costs) == (7, 3, 4 + 4 + 6)  # no length for 2-token matches: none
+    # two rows at once, size 2: steps of 2, 4, 2 and 3 nodes, each row's drawn independently, and a step pads both
+    # rows to the larger: 2 nodes with probability 1/4, 3 with 9/16 - 1/4, 4 with 1 - 9/16
+    assert simulate(ROOTS, 2, [2, 5], costs, batch=2) == (7, 4, pytest.approx(4 * (2 / 4 + 3 * 5 / 16 + 4 * 7 / 16)))
 
 
 def test_sizing_with_held_out_answers_simulates_each_size_and_saves_the_best_tree_and_lookup(tmp_path, monkeypatch):
@@ -132,8 +135,14 @@ def test_sizing_with_held_out_answers_simulates_each_size_and_saves_the_best_tre
     chosen = table["lookup"][0]
     assert chosen["lengths"] == [0, 7] and chosen["tau"] == 8 and chosen["speedup"] == pytest.approx(0.32 / 0.12)
     assert table["chosen"] == 1 and table["chosen_lookup"] == [0, 7]
+    # batches: every step the same 8 nodes, so padding costs nothing and each batch size takes the same pair
+    chosen = [(row["rows"], row["size"], row["lengths"]) for row in table["batches"]]
+    assert chosen == [(batch, 1, [0, 7]) for batch in BATCH_SIZES]
+    assert MedusaHeads.from_pretrained(path).config.batch_trees[0] == {"rows": 2, "tree": [], "lookup": [0, 7]}
     decoder = mtp.load(path)
     assert decoder.tree.size == 1 and decoder.lookup.lengths == (0, 7)
+    assert sorted(decoder.plans) == [1, *BATCH_SIZES] and decoder.plans[16][1].lengths == (0, 7)
+    assert list(mtp.load(path, tree="chain").plans) == [1]  # a tree the caller chose holds for every batch
     assert mtp.load(path, lookup=mtp.Lookup((0,))).lookup is None  # the caller can turn it off
 
 
