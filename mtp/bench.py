@@ -5,6 +5,9 @@ check that every mtp output equals plain `generate`'s. With --temperature > 0 al
 top-k and top-p).
 
     python -m mtp.bench --heads HEADS --questions data/mt_bench.jsonl --limit 16 --max-new-tokens 128
+
+With --batch-size B [B ...]: total tokens/s of mtp and of plain `generate` answering B prompts at a time, against
+one at a time (see `bench_batches`).
 """
 
 import argparse
