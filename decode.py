@@ -79,6 +79,10 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args()
+    interactive = args.prompt is None and args.prompts_file is None
+    if args.batch_size < 1 or (args.batch_size > 1 and (args.stream or interactive)):
+        raise SystemExit(f"--batch-size {args.batch_size}: give B >= 1; B > 1 answers a --prompts-file or --prompt, "
+                         "without --stream.")  # fmt: skip
     dtype = getattr(torch, args.dtype)
     sampling = sampling_from(args)
     if args.heads is None and args.base_model is None:
@@ -88,16 +92,13 @@ def main() -> None:
     else:
         decoder = Decoder(*load_base(args.base_model or DEFAULT_BASE, args.device, dtype), lookup=lookup_from(args))
     chat = decoder.tokenizer.chat_template is not None
-    interactive = args.prompt is None and args.prompts_file is None
     totals = [0, 0, 0.0]  # tokens, verification passes, seconds
-    if args.batch_size < 1 or (args.batch_size > 1 and (args.stream or interactive)):
-        raise SystemExit(f"--batch-size {args.batch_size}: give B >= 1; B > 1 answers a --prompts-file or --prompt, "
-                         "without --stream.")  # fmt: skip
     if args.batch_size > 1:
         answer_in_batches(decoder, conversations(args), chat, args, sampling, totals)
-    for turns in [] if args.batch_size > 1 else [typed_turns()] if interactive else conversations(args):
+    one_by_one = [] if args.batch_size > 1 else [typed_turns()] if interactive else conversations(args)
+    for c, turns in enumerate(one_by_one):
         messages = []
-        for turn in turns:
+        for k, turn in enumerate(turns):
             messages.append({"role": "user", "content": turn})
             prompt = messages if chat else turn
             result = GenerationResult()
@@ -107,7 +108,7 @@ def main() -> None:
             if args.stream or interactive:
                 print()
             messages.append({"role": "assistant", "content": result.text})
-            report(turn, result, args, totals, result.seconds, streamed=args.stream or interactive)
+            report((c, k, turn), result, args, totals, result.seconds, streamed=args.stream or interactive)
     tokens, passes, seconds = totals
     print(f"tau {tokens / max(passes, 1):.2f} ({tokens} tokens, {passes} verification passes), "
           f"{tokens / max(seconds, 1e-9):.1f} tokens/s", file=sys.stderr)  # fmt: skip
@@ -117,7 +118,7 @@ def answer_in_batches(decoder: Decoder, conversations: list[list[str]], chat: bo
     """Answer turn k of every conversation together, `args.batch_size` at a time, then turn k + 1 (which follows
     each conversation's answer to turn k); print each round's answers in file order."""
     histories = [[] for _ in conversations]
-    for k in range(max(len(turns) for turns in conversations)):
+    for k in range(max((len(turns) for turns in conversations), default=0)):
         asked = [c for c, turns in enumerate(conversations) if k < len(turns)]
         for c in asked:
             histories[c].append({"role": "user", "content": conversations[c][k]})
@@ -127,16 +128,19 @@ def answer_in_batches(decoder: Decoder, conversations: list[list[str]], chat: bo
         seconds = time.perf_counter() - start
         for c, result in zip(asked, results, strict=True):
             histories[c].append({"role": "assistant", "content": result.text})
-            report(conversations[c][k], result, args, totals, seconds / len(asked), streamed=False)
+            report((c, k, conversations[c][k]), result, args, totals, seconds / len(asked), streamed=False)
 
 
-def report(turn: str, result: GenerationResult, args, totals: list, seconds: float, streamed: bool) -> None:
-    """Print one answer (as a JSON line with --json; as text unless it was streamed) and add it to `totals`;
-    `seconds`: its share of the wall-clock time."""
+def report(asked: tuple[int, int, str], result: GenerationResult, args, totals: list, seconds: float,
+           streamed: bool) -> None:  # fmt: skip
+    """Print the answer to `asked` (conversation and turn, from 0, and the turn's text) as a JSON line with --json,
+    as text unless it was streamed, and add it to `totals`; `seconds`: its share of the wall-clock time."""
+    conversation, turn_number, turn = asked
     totals[:] = [totals[0] + len(result.token_ids), totals[1] + result.forward_passes, totals[2] + seconds]
     if args.json:
-        print(json.dumps({"prompt": turn, "text": result.text, "tokens": len(result.token_ids),
-                          "forward_passes": result.forward_passes, "tau": round(result.tau, 3),
+        print(json.dumps({"conversation": conversation, "turn": turn_number, "prompt": turn, "text": result.text,
+                          "tokens": len(result.token_ids), "forward_passes": result.forward_passes,
+                          "tau": round(result.tau, 3),
                           "lookup_accepted": result.lookup_accepted, "finish_reason": result.finish_reason,
                           "stop_sequence": result.stop_sequence,
                           "tokens_per_second": round(result.tokens_per_second, 2)}), flush=True)  # fmt: skip

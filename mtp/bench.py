@@ -115,7 +115,7 @@ def bench_batches(decoder: Decoder, chats: list, sizes: list[int], max_new_token
             "batch_size": size, **{f"{name}_tokens_per_second": value for name, value in speed.items()},
             "speedup_vs_plain": speed["mtp"] / speed["plain"],
             "speedup_vs_mtp_alone": speed["mtp"] / speed["mtp_alone"],
-            "tau": sum(map(len, ours)) / sum(result.forward_passes for result in results),
+            "tau": sum(map(len, ours)) / max(sum(result.forward_passes for result in results), 1),
             "mismatches_vs_alone": differ(ours, plain_alone), "mismatches_vs_plain_batched": differ(ours, plain),
             "plain_batched_mismatches_vs_alone": differ(plain, plain_alone),
         })  # fmt: skip
@@ -157,10 +157,13 @@ def main() -> None:
     parser.add_argument("--out", default="runs/bench/bench.json", help="JSON out; the Markdown table goes beside it")
     args = parser.parse_args()
     sampling = sampling_from(args)
+    if args.batch_size and min(args.batch_size) < 1:
+        raise ValueError(f"--batch-size {args.batch_size}: give batch sizes of 1 or more.")
     if args.seed is not None:
         torch.manual_seed(args.seed)  # plain generate and prompt lookup sample with torch's global generator
     decoder = mtp.load(args.heads, args.device, getattr(torch, args.dtype), tree=args.tree, lookup=lookup_from(args))
-    heads_alone = decoder.lookup and Decoder(decoder.base_model, decoder.tokenizer, decoder.heads, decoder.tree)
+    alone = decoder.lookup and not args.batch_size  # mtp with its heads alone, beside mtp with its lookup
+    heads_alone = alone and Decoder(decoder.base_model, decoder.tokenizer, decoder.heads, decoder.tree)
     model = decoder.base_model
     questions = read_rows(args.questions)
     if args.limit:  # round-robin over categories, so a small limit still covers them all

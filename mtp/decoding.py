@@ -73,6 +73,8 @@ class Decoder:
                 f"{base_model.config.model_type} takes no custom 4D tree mask: load it with attn_implementation='sdpa'."
             )
         self.base_model, self.tokenizer, self.heads = base_model, tokenizer, heads
+        if any(rows < 2 for rows in batch_trees or {}):
+            raise ValueError(f"batch_trees for {sorted(batch_trees)} rows: give batch sizes of 2 or more.")
         self.plans = {}  # rows -> (tree, lookup or None) of a step over at least that many rows
         for rows, (plan_tree, plan_lookup) in ({1: (tree, lookup)} | (batch_trees or {})).items():
             plan_tree = plan_tree if heads is not None and plan_tree is not None else Tree.from_paths([])
@@ -86,6 +88,10 @@ class Decoder:
         self.windows = attention_windows(base_model.config)
         self.context = getattr(base_model.config.get_text_config(decoder=True), "max_position_embeddings", None)
         self.softcap = getattr(base_model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
+        # RoPE that picks its frequencies from the highest position of a pass: one row would change another's
+        rope = getattr(base_model.config.get_text_config(decoder=True), "rope_parameters", None) or {}
+        kinds = {p.get("rope_type") for p in ([rope] if "rope_type" in rope else rope.values()) if isinstance(p, dict)}
+        self.length_dependent_rope = sorted(k for k in kinds if k and ("dynamic" in k or k == "longrope"))
         self._trees: dict[tuple[int, int], Tree] = {}  # each plan's tree cut at each depth, on the model's device
 
     def encode(self, prompt: str | list[dict]) -> torch.Tensor:
@@ -165,7 +171,10 @@ class Decoder:
             stop: stop sequences, matched on the decoded text; the result ends before the first one found.
             sampling: temperature, top-k, top-p, seed and acceptance rule; default greedy.
             batch_size: how many prompts of a list are decoded together, in one verification pass per step; a
-                finished one leaves the batch at once and the next waiting prompt takes its place.
+                finished one leaves the batch at once and the next waiting prompt takes its place. Greedy rows
+                equal each prompt decoded alone up to floating-point rounding (a batched pass multiplies other
+                shapes, so a near tie could flip). Sampled rows follow each prompt's distribution, but one seed
+                drives the whole list: a row's draws depend on the other prompts and on batch_size.
         """
         prompts = prompt if _is_list_of_prompts(prompt) else [prompt]
         results = [GenerationResult() for _ in prompts]
@@ -194,7 +203,12 @@ class Decoder:
         """Decode `prompts`, at most `batch_size` at a time, filling `results`; yield (prompt index, new text)."""
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size}: decode at least 1 prompt at a time.")
-        start = time.perf_counter()
+        if batch_size > 1 and len(prompts) > 1 and self.length_dependent_rope:
+            raise ValueError(
+                f"{self.base_model.config.model_type} uses rope_type {self.length_dependent_rope}, whose frequencies "
+                "follow the longest position of a pass, so in a batch one prompt's length would change another's "
+                "output: decode these prompts with batch_size=1."
+            )
         encoded, max_lengths = [], []
         for i, prompt in enumerate(prompts):  # every prompt checked before any work
             try:
@@ -208,7 +222,7 @@ class Decoder:
         while waiting or answers:
             if waiting and len(answers) < batch_size:  # a prompt joins: its prefill settles its first token
                 i = waiting.pop()
-                answers.append(_Answer(i, results[i], max_new_tokens, [s for s in stop if s], start))
+                answers.append(_Answer(i, results[i], max_new_tokens, [s for s in stop if s], time.perf_counter()))
                 passes = [(answers[-1], ([batch.add(encoded[i], max_lengths[i])], 0), False)]
             else:
                 passes = [(answer, settled, True) for answer, settled in zip(answers, batch.step(), strict=True)]
@@ -228,6 +242,7 @@ class _Answer:
     max_new_tokens: int
     stop: list[str]
     start: float
+    """When the prompt joined the batch: its result's `seconds` count from here."""
     shown: int = 0
     done: bool = False
 

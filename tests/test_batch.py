@@ -171,3 +171,10 @@ def test_bad_batches_are_clear_errors(tokenizer):
         decoder.generate(PROMPTS, batch_size=0)
     with pytest.raises(ValueError, match="Prompt 2 of 3: The prompt is empty"):
         decoder.generate(["Hi", " ", "Hello"], batch_size=2)
+    with pytest.raises(ValueError, match=r"batch_trees for \[1\] rows: give batch sizes of 2 or more"):
+        Decoder(tiny_model(), tokenizer, batch_trees={1: (TREE, None)})
+    # RoPE whose frequencies follow a pass's highest position: a long row would change a short one's output
+    dynamic = Decoder(tiny_model(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}), tokenizer)
+    with pytest.raises(ValueError, match=r"rope_type \['dynamic'\].*decode these prompts with batch_size=1"):
+        dynamic.generate(PROMPTS, max_new_tokens=4, batch_size=2)
+    assert len(dynamic.generate(PROMPTS, max_new_tokens=4)) == 4  # one at a time it decodes

@@ -180,6 +180,7 @@ def test_decode_py_answers_a_file_in_batches_as_one_by_one(tmp_path):
     assert all(done.returncode == 0 for done in runs), runs[1].stderr[-2000:]
     one_by_one, batched = ([json.loads(line) for line in done.stdout.splitlines()] for done in runs)
     assert [a["prompt"] for a in batched] == ["Count to 5.", "Hi", "Name three colours, then stop.", "And to 6?"]
+    assert [(a["conversation"], a["turn"]) for a in batched] == [(0, 0), (1, 0), (2, 0), (0, 1)]  # file rows, turns
     by_prompt = {a["prompt"]: (a["text"], a["tokens"], a["finish_reason"]) for a in one_by_one}
     assert {a["prompt"]: (a["text"], a["tokens"], a["finish_reason"]) for a in batched} == by_prompt
     streamed = subprocess.run(command + ["--batch-size", "2", "--stream"], cwd=ROOT, capture_output=True, text=True,
