@@ -65,6 +65,7 @@ class Batch:
         self.device = decoder.base_model.device
         self.rows: list[Row] = []
         self.cache, self.slots = DynamicCache(), None  # slots (B, T): see mtp.cache
+        self.uses_lookup = any(lookup for _, lookup in decoder.plans.values())  # rows keep their text for it
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -85,8 +86,7 @@ class Batch:
             self.slots = append_rows(self.cache, self.slots, cache, slots)
         else:
             self.cache, self.slots = cache, slots
-        uses_lookup = any(lookup for _, lookup in self.decoder.plans.values())
-        sequence = torch.cat([input_ids[0].cpu(), torch.tensor([root])]) if uses_lookup else None
+        sequence = torch.cat([input_ids[0].cpu(), torch.tensor([root])]) if self.uses_lookup else None
         max_length = max_length or self.decoder.context or sys.maxsize
         self.rows.append(Row(input_ids.shape[1], root, hidden[0, -1], max_length, sequence))
         return root
@@ -107,9 +107,9 @@ class Batch:
         decoder = self.decoder
         tree, lookup = decoder.plan(len(self.rows), min(row.room for row in self.rows))
         tokens = torch.tensor([[row.root] for row in self.rows], device=self.device)  # (B, 1) the roots
-        if tree.size > 1:  # (B, N+1) the roots and the heads' guesses, the best k of each head
-            hidden, k = torch.stack([row.hidden for row in self.rows]), int(tree.ranks.max()) + 1  # (B, H)
-            tokens = decoder.heads.tree_tokens(hidden, tokens, tree, decoder.lm_head, decoder.embed, k)
+        if tree.size > 1:  # (B, N+1) the roots and the heads' guesses
+            hidden = torch.stack([row.hidden for row in self.rows])  # (B, H)
+            tokens = decoder.heads.tree_tokens(hidden, tokens, tree, decoder.lm_head, decoder.embed, tree.top_k)
         if lookup is None:
             return [tree] * len(self.rows), list(tokens)
         chains = [lookup.propose(row.sequence)[: row.room] for row in self.rows]
@@ -157,7 +157,10 @@ class Batch:
         for b, (row, (nodes, root)) in enumerate(zip(self.rows, accepted, strict=True)):
             tree, row_tokens = trees[b], tokens[b]
             row.prefix_len, row.root, row.hidden = row.prefix_len + len(nodes), root, hidden[b, nodes[-1]]
-            settled.append((row_tokens[nodes[1:]].tolist() + [root], int((tree.ranks[nodes] == LOOKUP).sum())))
-            if row.sequence is not None:
-                row.sequence = torch.cat([row.sequence, torch.tensor(settled[-1][0])])
+            tokens_settled = row_tokens[nodes[1:]].tolist() + [root]
+            if row.sequence is None:  # no lookup: nothing of it to count or to keep
+                settled.append((tokens_settled, 0))
+                continue
+            settled.append((tokens_settled, int((tree.ranks[nodes] == LOOKUP).sum())))
+            row.sequence = torch.cat([row.sequence, torch.tensor(tokens_settled)])
         return settled

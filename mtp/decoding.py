@@ -122,7 +122,7 @@ class Decoder:
         rows: those for the largest batch size in `plans` up to `rows`."""
         batch = max(b for b in self.plans if b <= rows)
         tree, lookup = self.plans[batch]
-        depth = min(depth, int(tree.depths.max()))
+        depth = min(depth, tree.depth)
         if (batch, depth) not in self._trees:
             self._trees[batch, depth] = tree.within(depth).to(self.base_model.device)
         return self._trees[batch, depth], lookup
@@ -176,11 +176,12 @@ class Decoder:
                 shapes, so a near tie could flip). Sampled rows follow each prompt's distribution, but one seed
                 drives the whole list: a row's draws depend on the other prompts and on batch_size.
         """
-        prompts = prompt if _is_list_of_prompts(prompt) else [prompt]
+        many = _is_list_of_prompts(prompt)
+        prompts = prompt if many else [prompt]
         results = [GenerationResult() for _ in prompts]
         for _ in self._answers(prompts, max_new_tokens, stop, sampling, batch_size, results):
             pass
-        return results if _is_list_of_prompts(prompt) else results[0]
+        return results if many else results[0]
 
     def stream(
         self,
@@ -218,11 +219,12 @@ class Decoder:
                 raise ValueError(f"Prompt {i + 1} of {len(prompts)}: {error}" if len(prompts) > 1 else error) from None
         if max_new_tokens == 0:
             return
+        stop = [s for s in stop if s]
         batch, answers, waiting = Batch(self, sampling), [], list(range(len(prompts)))[::-1]
         while waiting or answers:
             if waiting and len(answers) < batch_size:  # a prompt joins: its prefill settles its first token
                 i = waiting.pop()
-                answers.append(_Answer(i, results[i], max_new_tokens, [s for s in stop if s], time.perf_counter()))
+                answers.append(_Answer(i, results[i], max_new_tokens, stop, time.perf_counter()))
                 passes = [(answers[-1], ([batch.add(encoded[i], max_lengths[i])], 0), False)]
             else:
                 passes = [(answer, settled, True) for answer, settled in zip(answers, batch.step(), strict=True)]

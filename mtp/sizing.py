@@ -49,6 +49,12 @@ BATCH_MAX_NODES = 16  # the largest tree sized for a batch
 LOOKUP_LENGTHS = tuple(range(FULL + 1))  # prompt-lookup tokens after a match that sizing chooses from
 
 
+def timed_sizes(paths: list[Path], batch: int) -> list[int]:
+    """The sizes in SIZES that `paths` can fill, up to BATCH_MAX_NODES when batch > 1 (a batch's best trees are
+    smaller)."""
+    return [s for s in SIZES if s <= len(paths) + 1 and (batch == 1 or s <= BATCH_MAX_NODES)]
+
+
 def device_name(device: str) -> str:
     if torch.device(device).type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -57,13 +63,13 @@ def device_name(device: str) -> str:
 
 def measure_steps(model, tokenizer, heads: Heads, paths: list[Path], context: int, steps: int = 4,
                   rounds: int = 3, batch: int = 1) -> list[float]:  # fmt: skip
-    """Seconds per decoding step of `batch` rows for each size in SIZES that `paths` can fill (up to 16 when
-    batch > 1: a batch's best trees are smaller), after prompts of `context` random tokens; size 1 is plain
+    """Seconds per decoding step of `batch` rows for each of `timed_sizes`, after prompts of `context` random
+    tokens; size 1 is plain
     decoding, without heads. Sizes are timed in turn, `rounds` times over (so that a slow spell of the machine
     does not fall on one size), `steps` steps each after a warm-up step; the median of each size's steps is its
     cost."""
     prompts = torch.randint(len(tokenizer), (batch, 1, context), generator=torch.Generator().manual_seed(0))
-    sizes = [s for s in SIZES if s <= len(paths) + 1 and (batch == 1 or s <= BATCH_MAX_NODES)]
+    sizes = timed_sizes(paths, batch)
     times = {size: [] for size in sizes}
     for _ in range(rounds):
         for size in sizes:
@@ -212,8 +218,7 @@ def expected_speedups(heads_path: str, device: str = "cpu", dtype: torch.dtype =
 
     def measured_costs(batch: int) -> list[float]:  # seconds of a step of `batch` rows for sizes 1, 2, ...
         name = key + (f" | batch {batch}" if batch > 1 else "")
-        sizes = [s for s in SIZES if s <= len(paths) + 1 and (batch == 1 or s <= BATCH_MAX_NODES)]
-        if remeasure or len(cached.get(name, [])) < len(sizes):
+        if remeasure or len(cached.get(name, [])) < len(timed_sizes(paths, batch)):
             cached[name] = measure_steps(model, tokenizer, heads, paths, context, batch=batch)
             store.parent.mkdir(parents=True, exist_ok=True)
             store.with_suffix(".tmp").write_text(json.dumps(cached, indent=1))

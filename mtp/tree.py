@@ -94,6 +94,16 @@ class Tree:
         return len(self.paths) + 1
 
     @cached_property
+    def depth(self) -> int:
+        """The deepest node's depth (0: the root alone)."""
+        return int(self.depths.max())
+
+    @cached_property
+    def top_k(self) -> int:
+        """The highest rank of a head's guess in the tree + 1: how many guesses per head a step needs."""
+        return int(self.ranks.max()) + 1
+
+    @cached_property
     def children(self) -> list[list[int]]:
         """children[i]: node i's children, in rank order (nodes are breadth-first by ranks)."""
         children = [[] for _ in range(self.size)]
@@ -106,7 +116,7 @@ class Tree:
         """Per depth d = 1 .. D, for heads that read the path: (the nodes of depth d (M,), each one's parent as a
         row of the next (M,), the paths of their distinct parents (P, d): node ids from the root to the parent)."""
         levels = []
-        for depth in range(1, int(self.depths.max()) + 1):
+        for depth in range(1, self.depth + 1):
             nodes = (self.depths == depth).nonzero()[:, 0]  # (M,)
             parents, rows = self.parents[nodes].unique(return_inverse=True)  # (P,), (M,)
             paths = self.mask[parents].nonzero()[:, 1].view(len(parents), depth)  # (P, d): ancestors by index = depth
