@@ -37,6 +37,9 @@ class Lora:
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
     """Names (the last part) of the base's linear layers that get an adapter."""
+    last_layers: int | None = None
+    """Adapters on the last this many decoder layers only (None: every layer). A step then back-propagates through
+    those layers only, and the adapter is smaller."""
     heads_lr_scale: float = 4.0
     """The heads learn at the model's lr times this; the adapters at lr."""
     heads_warmup_steps: int = 0
@@ -58,7 +61,15 @@ def with_adapters(model: nn.Module, lora: Lora) -> nn.Module:
         raise ValueError(
             f"lora.target_modules {missing or '[]'}: not linear layers of this base model; choose among {linear}."
         )
-    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules)
+    depth = model.config.num_hidden_layers
+    if lora.last_layers is not None and not 1 <= lora.last_layers <= depth:
+        raise ValueError(
+            f"lora.last_layers {lora.last_layers}: this base model has {depth} decoder layers; choose 1 to {depth}, "
+            "or null for every layer."
+        )
+    layers = None if lora.last_layers is None else list(range(depth - lora.last_layers, depth))
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
+                        layers_to_transform=layers)  # fmt: skip
     return get_peft_model(model, config)
 
 

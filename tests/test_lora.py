@@ -153,6 +153,27 @@ def test_bad_lora_settings_are_refused_with_the_fix():
         HeadsModule(TINY_BASE, cache_hidden=True, lora=LORA)
 
 
+def test_adapters_on_the_last_layers_only_train_there_and_round_trip(tmp_path):
+    torch.manual_seed(0)
+    lora = Lora(r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"], last_layers=1)
+    module = HeadsModule(TINY_BASE, num_heads=2, lr=3e-2, lora=lora)
+    depth = module.base_model.config.num_hidden_layers
+    fit(module, tmp_path, 3)
+    trained = {name: p for name, p in module.base_model.named_parameters() if p.requires_grad}
+    assert len(trained) == 2 * 2 and all(f".layers.{depth - 1}." in name for name in trained)  # last layer: q, v
+    assert all(p.abs().sum() > 0 for name, p in trained.items() if "lora_B" in name)  # they start at 0
+    from peft import PeftModel
+
+    folder = tmp_path / "heads"
+    adapted = PeftModel.from_pretrained(load_base(TINY_BASE)[0], folder).merge_and_unload()
+    prompt = "Count from 3 to 40: 3, 4, 5, 6,"
+    input_ids = load_base(TINY_BASE)[1](prompt, return_tensors="pt").input_ids
+    decoder = mtp.load(str(folder), tree="medium")
+    assert decoder.generate(prompt, max_new_tokens=16).token_ids == reference(adapted, input_ids, 16)
+    with pytest.raises(ValueError, match=rf"lora.last_layers {depth + 1}: .* {depth} decoder layers; choose 1 to"):
+        HeadsModule(TINY_BASE, lora=Lora(last_layers=depth + 1))
+
+
 def test_training_can_start_from_saved_heads_of_the_same_kind(trained):
     _, root = trained
     saved = Heads.from_pretrained(root / "heads")
