@@ -64,10 +64,9 @@ def device_name(device: str) -> str:
 def measure_steps(model, tokenizer, heads: Heads, paths: list[Path], context: int, steps: int = 4,
                   rounds: int = 3, batch: int = 1) -> list[float]:  # fmt: skip
     """Seconds per decoding step of `batch` rows for each of `timed_sizes`, after prompts of `context` random
-    tokens; size 1 is plain
-    decoding, without heads. Sizes are timed in turn, `rounds` times over (so that a slow spell of the machine
-    does not fall on one size), `steps` steps each after a warm-up step; the median of each size's steps is its
-    cost."""
+    tokens; size 1 is plain decoding, without heads. Sizes are timed in turn, `rounds` times over (so that a slow
+    spell of the machine does not fall on one size), `steps` steps each after a warm-up step; the median of each
+    size's steps is its cost."""
     prompts = torch.randint(len(tokenizer), (batch, 1, context), generator=torch.Generator().manual_seed(0))
     sizes = timed_sizes(paths, batch)
     times = {size: [] for size in sizes}

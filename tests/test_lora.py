@@ -165,9 +165,10 @@ def test_adapters_on_the_last_layers_only_train_there_and_round_trip(tmp_path):
     from peft import PeftModel
 
     folder = tmp_path / "heads"
-    adapted = PeftModel.from_pretrained(load_base(TINY_BASE)[0], folder).merge_and_unload()
+    base, tokenizer = load_base(TINY_BASE)
+    adapted = PeftModel.from_pretrained(base, folder).merge_and_unload()
     prompt = "Count from 3 to 40: 3, 4, 5, 6,"
-    input_ids = load_base(TINY_BASE)[1](prompt, return_tensors="pt").input_ids
+    input_ids = tokenizer(prompt, return_tensors="pt").input_ids
     decoder = mtp.load(str(folder), tree="medium")
     assert decoder.generate(prompt, max_new_tokens=16).token_ids == reference(adapted, input_ids, 16)
     with pytest.raises(ValueError, match=rf"lora.last_layers {depth + 1}: .* {depth} decoder layers; choose 1 to"):
