@@ -1,7 +1,10 @@
-"""Where a decoding step's time goes: heads and candidate building, the base model's pass over the tree,
-acceptance, cache bookkeeping, and the rest (Python, stop checks, detokenising), over a few MT-Bench questions.
+"""Where a decoding step's time goes, a tree step beside a plain one: the heads' drafting (candidates), the base
+model's pass (verify), acceptance (with the lm_head's logits), cache bookkeeping and the rest (prefill, Python,
+stop checks), then the operators that take the most time per step, over a few MT-Bench questions.
 
     python benchmarks/decode_profile.py --heads HEADS --questions data/mt_bench.jsonl
+
+The plain step is the same loop without heads or lookup: one token per pass, the base model's own attention path.
 """
 
 import argparse
@@ -10,10 +13,26 @@ import time
 from torch.profiler import ProfilerActivity, profile
 
 import mtp
+from mtp.decoding import Decoder
 from mtp.rows import read_rows
 from mtp.tree import NAMED_TREES
 
 PHASES = ("mtp.candidates", "mtp.verify", "mtp.accept", "mtp.cache")
+
+
+def profiled(decoder: Decoder, prompts: list, max_new_tokens: int) -> tuple[dict[str, float], int, int, float]:
+    """(seconds per profiler key, passes, tokens, wall seconds) of decoding `prompts`."""
+    decoder.generate(prompts[0], max_new_tokens=8)  # warm-up
+    passes = tokens = 0
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        start = time.perf_counter()
+        for prompt in prompts:
+            result = decoder.generate(prompt, max_new_tokens=max_new_tokens)
+            passes, tokens = passes + result.forward_passes, tokens + len(result.token_ids)
+        wall = time.perf_counter() - start
+    spent = {event.key: event.self_cpu_time_total / 1e6 for event in profiler.key_averages()}
+    spent |= {event.key: event.cpu_time_total / 1e6 for event in profiler.key_averages() if event.key in PHASES}
+    return spent, passes, tokens, wall
 
 
 def main() -> None:
@@ -23,24 +42,25 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=1, help="questions (the profiler holds every op: keep it small)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--tree", help=f"one of {sorted(NAMED_TREES)} or a number of nodes (default: the heads' tree)")
+    parser.add_argument("--ops", type=int, default=10, help="operators listed, by their time in the tree step")
     args = parser.parse_args()
     decoder = mtp.load(args.heads, tree=args.tree)
+    plain = Decoder(decoder.base_model, decoder.tokenizer)
     prompts = [[{"role": "user", "content": row["turns"][0]}] for row in read_rows(args.questions)[: args.limit]]
-    decoder.generate(prompts[0], max_new_tokens=8)  # warm-up
-    passes = tokens = 0
-    with profile(activities=[ProfilerActivity.CPU]) as profiler:
-        start = time.perf_counter()
-        for prompt in prompts:
-            result = decoder.generate(prompt, max_new_tokens=args.max_new_tokens)
-            passes, tokens = passes + result.forward_passes, tokens + len(result.token_ids)
-        wall = time.perf_counter() - start
-    spent = {event.key: event.cpu_time_total / 1e6 for event in profiler.key_averages() if event.key in PHASES}
-    print(f"tree of {decoder.tree.size} nodes: {tokens} tokens, {passes} passes, tau {tokens / passes:.2f}, "
-          f"{tokens / wall:.1f} tokens/s (profiler on)")  # fmt: skip
-    for phase in PHASES:
-        print(f"{phase:16s} {1000 * spent.get(phase, 0) / passes:7.1f} ms/step {spent.get(phase, 0) / wall:6.1%}")
-    rest = wall - sum(spent.values())
-    print(f"{'rest (prefill, Python, stop checks)':16s} {1000 * rest / passes:7.1f} ms/step {rest / wall:6.1%}")
+    found = {name: profiled(d, prompts, args.max_new_tokens) for name, d in (("plain", plain), ("tree", decoder))}
+    print(f"{'ms per step (profiler on)':36s} {'plain':>8s} {'tree':>8s}")
+    for name, (_, passes, tokens, wall) in found.items():
+        print(f"  {name}: {tokens} tokens, {passes} passes, tau {tokens / passes:.2f}, {tokens / wall:.1f} tokens/s, "
+              f"{1e3 * wall / passes:.1f} ms a step in all")  # fmt: skip
+    per_step = {name: {key: 1e3 * value / passes for key, value in spent.items()}
+                for name, (spent, passes, _, _) in found.items()}  # fmt: skip
+    for name, (spent, passes, _, wall) in found.items():
+        per_step[name]["rest (prefill, Python, stop checks)"] = 1e3 * (wall - sum(spent[p] for p in PHASES)) / passes
+    ops = sorted((key for key in per_step["tree"] if key not in PHASES and key.startswith("aten::")),
+                 key=lambda key: -per_step["tree"][key])[: args.ops]  # fmt: skip
+    for key in [*PHASES, "rest (prefill, Python, stop checks)", *ops]:
+        plain_ms, tree_ms = per_step["plain"].get(key, 0.0), per_step["tree"].get(key, 0.0)
+        print(f"{key[:36]:36s} {plain_ms:8.2f} {tree_ms:8.2f}")
 
 
 if __name__ == "__main__":

@@ -1,16 +1,19 @@
-"""Why `mtp.base.narrow_linears` exists: on a CPU, the two ways of multiplying a few input rows by a linear layer's
-weight differ in speed. Over 30 layers of SmolLM2-135M's seven weight shapes (distinct random weights, so the
+"""Why `mtp.linears` measures its choice: on a CPU, the two ways of multiplying a few input rows by a linear layer's
+weight differ in speed, and which is faster differs from one machine to another. Over 30 layers of SmolLM2-135M's seven weight shapes (distinct random weights, so the
 weights stream from memory as in a real pass), the median of 7 runs per row count, in one run:
 
     python benchmarks/narrow_linear.py
 
-x W^T is what `torch.nn.functional.linear` computes; W x^T is the narrow path, the same product.
+x W^T is what `torch.nn.functional.linear` computes; W x^T is the narrow path, the same product (one row repeated
+into two, as `mtp.linears.narrow_product` takes it).
 """
 
 import time
 
 import torch
 from torch.nn import functional as F
+
+from mtp.linears import narrow_product
 
 HIDDEN, INTERMEDIATE = 576, 1536
 SHAPES = [(HIDDEN, HIDDEN), (192, HIDDEN), (192, HIDDEN), (HIDDEN, HIDDEN), (INTERMEDIATE, HIDDEN),
@@ -22,7 +25,7 @@ def seconds(weights: list[torch.Tensor], rows: int, narrow: bool) -> float:
     start = time.perf_counter()
     for weight in weights:
         x = inputs[weight.shape[1]]
-        (weight @ x.T).T if narrow else F.linear(x, weight)
+        narrow_product(x, weight) if narrow else F.linear(x, weight)
     return time.perf_counter() - start
 
 
@@ -33,7 +36,7 @@ def main() -> None:
     print("| rows | x W^T ms | W x^T ms | x W^T against 1 row | W x^T against 1 row |")
     print("| ---: | ---: | ---: | ---: | ---: |")
     one = None
-    for rows in (1, 2, 4, 8, 16, 32):
+    for rows in (1, 2, 3, 4, 6, 8, 12, 16, 32):
         plain, narrow = (sorted(seconds(weights, rows, n) for _ in range(7))[3] for n in (False, True))
         one = one or plain
         print(f"| {rows} | {plain * 1e3:.1f} | {narrow * 1e3:.1f} | {plain / one:.2f} | {narrow / one:.2f} |")

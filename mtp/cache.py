@@ -42,10 +42,11 @@ def attention_windows(config: PretrainedConfig) -> dict[str, int | None]:
 def tree_attention_mask(
     tree_mask: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, windows: dict[str, int | None],
     dtype: torch.dtype,
-) -> torch.Tensor | dict[str, torch.Tensor]:  # fmt: skip
+) -> torch.Tensor | dict[str, torch.Tensor] | None:  # fmt: skip
     """The additive 4D mask (B, 1, Q, T+Q) of a pass over each row's tree nodes after the cached slots: a node sees
     the filled slots of its row and its own ancestors, minus what lies outside a sliding layer's window. One mask,
-    or one per layer type (the form transformers' models take for mixed full and sliding layers).
+    or one per layer type (the form transformers' models take for mixed full and sliding layers); None when there
+    is nothing to mask (the root alone after filled slots, no window): the model's own path for one new token.
 
     Args:
         tree_mask: (B, Q, Q) bool, node i of a row sees node j of the same row.
@@ -55,6 +56,8 @@ def tree_attention_mask(
         dtype: the model's dtype.
     """
     queries = tree_mask.shape[1]
+    if queries == 1 and all(window is None for window in windows.values()) and bool((slots >= 0).all()):
+        return None
     seen = torch.cat([(slots >= 0)[:, None].expand(-1, queries, -1), tree_mask], 2)  # (B, Q, T+Q)
     keys = torch.cat([slots, positions], 1)  # (B, T+Q) every key's position
     masks, blocked = {}, torch.finfo(dtype).min

