@@ -1,8 +1,13 @@
-"""Benchmark mtp against plain `generate` and Hugging Face prompt-lookup decoding (and, when mtp's own prompt
-lookup is on, against mtp with its heads alone), interleaved prompt by prompt in one process: tau, tokens/s,
-speedups and the accepted candidates that came from the heads and from lookup, per category; when greedy, a
-check that every mtp output equals plain `generate`'s. With --temperature > 0 all sample (the same temperature,
-top-k and top-p).
+"""Benchmark mtp against the fastest plain decoder and Hugging Face prompt-lookup decoding (and, when mtp's own
+prompt lookup is on, against mtp with its heads alone), interleaved prompt by prompt in one process: tau,
+tokens/s, speedups and the accepted candidates that came from the heads and from lookup, per category; when
+greedy, a check that every mtp output equals plain `generate`'s. With --temperature > 0 all sample (the same
+temperature, top-k and top-p).
+
+Plain decoding is timed twice over when the products mtp measured fastest for one row (`mtp.linears`) are not the
+usual ones: `plain`, `generate` as users run it, and `plain_fast`, `generate` with mtp's products; `vs fastest
+plain` is against the faster of the two in each row of the table. Where mtp chose the usual product for one row,
+the two are the same computation and `plain` alone is timed. Prompt lookup runs with mtp's products.
 
     python -m mtp.bench --heads HEADS --questions data/mt_bench.jsonl --limit 16 --max-new-tokens 128
 
@@ -23,12 +28,15 @@ from tqdm import tqdm
 import mtp
 from mtp.cli import user_errors
 from mtp.decoding import Decoder
+from mtp.linears import narrow_counts, usual_linears
 from mtp.lookup import add_lookup_arguments, lookup_from
+from mtp.machine import device_name
 from mtp.rows import read_rows
 from mtp.sampling import Sampling, add_sampling_arguments, sampling_from
 from mtp.tree import NAMED_TREES
 
-METHODS = ("plain", "lookup", "heads", "mtp")  # heads: mtp without its prompt lookup, when that is on
+METHODS = ("plain", "plain_fast", "lookup", "heads", "mtp")  # heads: mtp without its prompt lookup, when that is on
+PLAIN = ("plain", "plain_fast")  # plain `generate` with the usual products, and with mtp's (when they differ)
 
 
 def timed_generate(model, prompts: list[torch.Tensor], max_new_tokens: int, sampling: Sampling, batch_size: int = 1,
@@ -65,6 +73,7 @@ def summarise(rows: list[dict]) -> dict:
         "questions": len(rows), "tokens": tokens, "tau": tokens / max(passes, 1),
         **{f"{name}_tokens_per_second": value for name, value in speed.items()},
         **{f"speedup_vs_{name}": speed["mtp"] / value for name, value in speed.items() if name != "mtp"},
+        "speedup_vs_fastest_plain": speed["mtp"] / max(speed[name] for name in PLAIN if name in speed),
         "accepted_from_heads": candidates - from_lookup, "accepted_from_lookup": from_lookup,
         "mismatches": None if rows[0]["matches_plain"] is None else sum(not row["matches_plain"] for row in rows),
     }  # fmt: skip
@@ -72,13 +81,14 @@ def summarise(rows: list[dict]) -> dict:
 
 def markdown(summary: dict[str, dict]) -> str:
     others = [name for name in METHODS[:-1] if f"speedup_vs_{name}" in summary["overall"]]
-    columns = ["category", "questions", "tau", *(f"{name} tok/s" for name in ["mtp", *others])]
-    columns += [*(f"vs {name}" for name in others), "accepted from heads / lookup", "mismatches"]
+    ratios = (["fastest_plain"] if "plain_fast" in others else []) + others  # vs the faster plain one first
+    columns = ["category", "questions", "tau", *(f"{name.replace('_', ' ')} tok/s" for name in ["mtp", *others])]
+    columns += [*(f"vs {name.replace('_', ' ')}" for name in ratios), "accepted from heads / lookup", "mismatches"]
     lines = ["| " + " | ".join(columns) + " |", "| --- |" + " ---: |" * (len(columns) - 1)]
     for name, s in summary.items():
         figures = [s["questions"], f"{s['tau']:.2f}"]
         figures += [f"{s[f'{method}_tokens_per_second']:.1f}" for method in ["mtp", *others]]
-        figures += [f"{s[f'speedup_vs_{method}']:.2f}x" for method in others]
+        figures += [f"{s[f'speedup_vs_{method}']:.2f}x" for method in ratios]
         figures += [f"{s['accepted_from_heads']} / {s['accepted_from_lookup']}"]
         figures += ["n/a (sampling)" if s["mismatches"] is None else s["mismatches"]]
         lines.append(f"| {name} | " + " | ".join(str(figure) for figure in figures) + " |")
@@ -89,10 +99,19 @@ def bench_batches(decoder: Decoder, chats: list, sizes: list[int], max_new_token
     """Per batch size B: total tokens/s of plain `generate` and of mtp, B prompts at a time, against one at a time;
     tau (each row's tokens per verification pass, over all rows); when greedy, how many outputs differ: mtp's
     from each prompt decoded alone by plain `generate` and from plain batched `generate`, and plain batched
-    `generate`'s own from alone. Plain and mtp one at a time run first, then each size's two in turn."""
+    `generate`'s own from alone. Plain and mtp one at a time run first, then each size's two in turn. Plain
+    `generate` of B rows is the faster of its usual products and mtp's (`mtp.linears`), when those differ for B."""
     model = decoder.base_model
     prompts = [decoder.encode(messages).to(model.device) for messages in chats]
-    plain_alone, plain_alone_seconds = timed_generate(model, prompts, max_new_tokens, sampling)
+
+    def fastest_plain(size: int) -> tuple[list[list[int]], float]:
+        with usual_linears(model):
+            found = timed_generate(model, prompts, max_new_tokens, sampling, size)
+        if size in narrow_counts(model):
+            found = min(found, timed_generate(model, prompts, max_new_tokens, sampling, size), key=lambda f: f[1])
+        return found
+
+    plain_alone, plain_alone_seconds = fastest_plain(1)
     start = time.perf_counter()
     alone = decoder.generate(chats, max_new_tokens, sampling=sampling, batch_size=1)
     alone_seconds = time.perf_counter() - start
@@ -104,7 +123,7 @@ def bench_batches(decoder: Decoder, chats: list, sizes: list[int], max_new_token
     for size in tqdm(sizes, desc="batch sizes"):
         plain, plain_seconds, results, seconds = plain_alone, plain_alone_seconds, alone, alone_seconds
         if size > 1:
-            plain, plain_seconds = timed_generate(model, prompts, max_new_tokens, sampling, size)
+            plain, plain_seconds = fastest_plain(size)
             start = time.perf_counter()
             results = decoder.generate(chats, max_new_tokens, sampling=sampling, batch_size=size)
             seconds = time.perf_counter() - start
@@ -178,10 +197,14 @@ def main() -> None:
     decoder.generate(warm_up, max_new_tokens=8, sampling=sampling)
     if heads_alone:
         heads_alone.generate(warm_up, max_new_tokens=8, sampling=sampling)
+    plain_fast = 1 in narrow_counts(model)  # else plain generate with mtp's products is plain generate itself
     timed_generate(model, [decoder.encode(warm_up).to(args.device)], 8, sampling, prompt_lookup_num_tokens=10)
     timed_generate(model, [decoder.encode(warm_up).to(args.device)], 8, sampling)
+    with usual_linears(model):
+        timed_generate(model, [decoder.encode(warm_up).to(args.device)], 8, sampling)
     settings = {k: v for k, v in vars(args).items() if k != "out"} | {"tree_size": decoder.tree.size,
-                "threads": torch.get_num_threads()}  # fmt: skip
+                "threads": torch.get_num_threads(), "device_name": device_name(args.device),
+                "plain_fast": plain_fast}  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.batch_size:
@@ -194,7 +217,10 @@ def main() -> None:
     rows = []
     for question, messages in zip(tqdm(questions, desc="benchmark", unit="question"), chats, strict=True):
         input_ids = decoder.encode(messages).to(args.device)
-        (plain,), plain_seconds = timed_generate(model, [input_ids], args.max_new_tokens, sampling)
+        with usual_linears(model):  # as users run it
+            (plain,), plain_seconds = timed_generate(model, [input_ids], args.max_new_tokens, sampling)
+        if plain_fast:
+            (fast,), fast_seconds = timed_generate(model, [input_ids], args.max_new_tokens, sampling)
         (lookup,), lookup_seconds = timed_generate(model, [input_ids], args.max_new_tokens, sampling,
                                                    prompt_lookup_num_tokens=10)  # fmt: skip
         result = decoder.generate(messages, max_new_tokens=args.max_new_tokens, sampling=sampling)
@@ -206,6 +232,8 @@ def main() -> None:
             "mtp_seconds": result.seconds,
             "matches_plain": result.token_ids == plain if sampling.greedy else None,  # samples differ by chance
         })  # fmt: skip
+        if plain_fast:
+            rows[-1] |= {"plain_fast_tokens": len(fast), "plain_fast_seconds": fast_seconds}
         if heads_alone:
             alone = heads_alone.generate(messages, max_new_tokens=args.max_new_tokens, sampling=sampling)
             rows[-1] |= {"heads_tokens": len(alone.token_ids), "heads_seconds": alone.seconds}

@@ -52,6 +52,11 @@ def fast_linears(model: torch.nn.Module) -> dict[str, list[int]]:
     return chosen
 
 
+def narrow_counts(model: torch.nn.Module) -> set[int]:
+    """The row counts for which some linear layer of `model` takes the W x^T path (`fast_linears`)."""
+    return {rows for module in model.modules() for rows in getattr(module, "narrow_rows", ())}
+
+
 @contextmanager
 def usual_linears(model: torch.nn.Module) -> Iterator[None]:
     """Inside this block, `model`'s linear layers take the usual product (x W^T) whatever `fast_linears` chose:

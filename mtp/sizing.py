@@ -9,7 +9,8 @@ Expected tau (tokens per verification pass) of a tree is 1 (the bonus token) plu
 the probability that the node's whole path is right, taken as the product of the rank accuracies along it
 (heads treated as independent). At most one node per depth can be right, so this sum is the expected number
 of accepted candidates. Expected speedup over plain decoding is tau(N) * step(1) / step(N), with step(N) the
-measured time of a decoding step that verifies N tree tokens (step(1): plain one-token decoding, no heads).
+measured time of a decoding step that verifies N tree tokens (step(1): the fastest plain one-token step, see
+`measure_steps`).
 
 With --data (the heads' training data, which decides the prompts they did not train on; --val-data: read these
 answers to them, as training's data.val_data), decoding the base model's own answers to the held-out prompts is
@@ -24,8 +25,8 @@ prompt's, so a batch's best tree is smaller; the pairs are saved as the heads' `
 """
 
 import argparse
-import math
 import time
+from contextlib import nullcontext
 
 import torch
 
@@ -35,6 +36,7 @@ from mtp.cli import user_errors
 from mtp.data import add_held_out_arguments, held_out
 from mtp.decoding import Decoder
 from mtp.heads import Heads
+from mtp.linears import usual_linears
 from mtp.lookup import FULL, MAX_NGRAM, Lookup
 from mtp.loss import following_tokens
 from mtp.machine import device_name, measured
@@ -56,26 +58,29 @@ def timed_sizes(paths: list[Path], batch: int) -> list[int]:
 def measure_steps(model, tokenizer, heads: Heads, paths: list[Path], context: int, steps: int = 4,
                   rounds: int = 3, batch: int = 1) -> list[float]:  # fmt: skip
     """Seconds per decoding step of `batch` rows for each of `timed_sizes`, after prompts of `context` random
-    tokens; size 1 is plain decoding, without heads. Sizes are timed in turn, `rounds` times over (so that a slow
+    tokens. Size 1 is the fastest plain decoding step: without heads, with the products mtp chose (`mtp.linears`)
+    or with the usual ones, whichever ran faster. Sizes are timed in turn, `rounds` times over (so that a slow
     spell of the machine does not fall on one size), `steps` steps each after a warm-up step; the median of each
     size's steps is its cost."""
     prompts = torch.randint(len(tokenizer), (batch, 1, context), generator=torch.Generator().manual_seed(0))
     sizes = timed_sizes(paths, batch)
-    times = {size: [] for size in sizes}
+    times = {(size, usual): [] for size in sizes for usual in ([False, True] if size == 1 else [False])}
     for _ in range(rounds):
-        for size in sizes:
+        for size, usual in times:
             decoder = Decoder(model, tokenizer, heads if size > 1 else None, Tree.from_paths(paths[: size - 1]))
-            rows = Batch(decoder, GREEDY)
-            for prompt in prompts:
-                rows.add(prompt)
-            rows.step()  # warm-up
-            for _ in range(steps):
-                start = time.perf_counter()
-                rows.step()
-                if model.device.type == "cuda":
-                    torch.cuda.synchronize()
-                times[size].append(time.perf_counter() - start)
-    return [sorted(times[size])[len(times[size]) // 2] for size in sizes]
+            with usual_linears(model) if usual else nullcontext():
+                rows = Batch(decoder, GREEDY)
+                for prompt in prompts:
+                    rows.add(prompt)
+                rows.step()  # warm-up
+                for _ in range(steps):
+                    start = time.perf_counter()
+                    rows.step()
+                    if model.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    times[size, usual].append(time.perf_counter() - start)
+    median = {way: sorted(spent)[len(spent) // 2] for way, spent in times.items()}
+    return [min(median[1, False], median[1, True])] + [median[size, False] for size in sizes[1:]]
 
 
 def step_costs(measured: list[float], max_nodes: int) -> list[float]:
@@ -173,14 +178,6 @@ def best_lookup(roots: dict[str, torch.Tensor], size: int, costs: list[float], b
                 if found[0] / found[2] > best[0] / best[2]:
                     lengths, best = trial, found
     return lengths, best
-
-
-def depth_reached(calibration: list[list[float]], paths: list[Path]) -> list[float]:
-    """T(d) for d = 1, 2, ...: the probability that the tree of `paths` has its depth-d node right."""
-    reached = [0.0] * max(map(len, paths), default=0)
-    for path in paths:
-        reached[len(path) - 1] += math.prod(calibration[k][r] for k, r in enumerate(path))
-    return reached
 
 
 def expected_speedups(heads_path: str, device: str = "cpu", dtype: torch.dtype = torch.float32, max_nodes: int = 64,
@@ -286,6 +283,9 @@ def main() -> None:
                 row += f"  {alone['tau']:14.2f} / {alone['speedup']:.2f}  {both['tau']:17.2f} / {both['speedup']:.2f}"
                 row += f", {both['lengths']}"
             print(row + chosen)
+    costs = dict(zip(table["size"], table["step_seconds"], strict=True))
+    ratios = ", ".join(f"{n} nodes {costs[n] / costs[1]:.2f}x" for n in (2, 3, 4, 8) if n in costs)
+    print(f"A step's cost against the fastest plain step ({costs[1] * 1e3:.1f} ms): {ratios}")
     if measured:
         roots = table["roots"]
         shares = ", ".join(f"{n} tokens {share:.1%}" for n, share in enumerate(roots["matched"], 1))

@@ -31,6 +31,8 @@ def test_bench_writes_its_json_and_table_and_finds_no_mismatch(tmp_path, samplin
         assert q["forward_passes"] == len(q["accept_lengths"]) and 1 + sum(q["accept_lengths"]) >= q["mtp_tokens"]
     assert {"speedup_vs_plain", "speedup_vs_lookup", "mtp_tokens_per_second"} <= set(overall)
     assert ("speedup_vs_heads" in overall) is greedy  # mtp with its heads alone, when its lookup is on
+    # plain generate with mtp's products too, only where they are not the usual ones for one row
+    assert ("speedup_vs_plain_fast" in overall) is report["settings"]["plain_fast"]
     assert overall["accepted_from_heads"] + overall["accepted_from_lookup"] == sum(
         sum(q["accept_lengths"]) - q["forward_passes"] for q in questions
     )
@@ -77,13 +79,20 @@ def test_summarise_counts_each_methods_own_tokens_and_only_real_mismatches():
     assert summary == pytest.approx({
         "questions": 3, "tokens": 35, "tau": 35 / 15, "mtp_tokens_per_second": 20.0,
         "plain_tokens_per_second": 12.0, "lookup_tokens_per_second": 10.0, "speedup_vs_plain": 20 / 12,
-        "speedup_vs_lookup": 2.0, "accepted_from_heads": 11, "accepted_from_lookup": 7, "mismatches": 1,
+        "speedup_vs_lookup": 2.0, "speedup_vs_fastest_plain": 20 / 12, "accepted_from_heads": 11,
+        "accepted_from_lookup": 7, "mismatches": 1,
     })  # fmt: skip  # candidates: 5 + 13 + 0 accepted, bonus tokens left out; 2 + 5 of them from lookup
     with_heads = summarise(
         [{**r, "heads_tokens": r["mtp_tokens"], "heads_seconds": 2 * r["mtp_seconds"]} for r in ROWS]
     )
     assert with_heads["heads_tokens_per_second"] == 10.0 and with_heads["speedup_vs_heads"] == 2.0
     assert summarise([{**r, "matches_plain": None} for r in ROWS])["mismatches"] is None  # sampling: not compared
+    fast = summarise([{**r, "plain_fast_tokens": r["plain_tokens"], "plain_fast_seconds": r["plain_seconds"] / 2}
+                      for r in ROWS])  # fmt: skip
+    assert fast["plain_fast_tokens_per_second"] == 24.0 and fast["speedup_vs_fastest_plain"] == pytest.approx(20 / 24)
+    slow = summarise([{**r, "plain_fast_tokens": r["plain_tokens"], "plain_fast_seconds": r["plain_seconds"] * 2}
+                      for r in ROWS])  # fmt: skip
+    assert slow["speedup_vs_fastest_plain"] == pytest.approx(20 / 12)  # the faster of the two, whichever it is
 
 
 def test_markdown_prints_one_row_per_category_with_the_summary_figures():
@@ -97,3 +106,7 @@ def test_markdown_prints_one_row_per_category_with_the_summary_figures():
     table = markdown({"overall": summarise(heads)}).splitlines()
     assert "| lookup tok/s | heads tok/s | vs plain | vs lookup | vs heads |" in table[0]
     assert table[2] == "| overall | 3 | 2.33 | 20.0 | 12.0 | 10.0 | 10.0 | 1.67x | 2.00x | 2.00x | 11 / 7 | 1 |"
+    fast = [{**r, "plain_fast_tokens": r["plain_tokens"], "plain_fast_seconds": r["plain_seconds"] / 2} for r in ROWS]
+    table = markdown({"overall": summarise(fast)}).splitlines()
+    assert "| plain tok/s | plain fast tok/s | lookup tok/s | vs fastest plain | vs plain | vs plain fast |" in table[0]
+    assert table[2] == "| overall | 3 | 2.33 | 20.0 | 12.0 | 24.0 | 10.0 | 0.83x | 1.67x | 0.83x | 2.00x | 11 / 7 | 1 |"
