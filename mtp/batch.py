@@ -14,7 +14,7 @@ import torch
 from torch.profiler import record_function
 from transformers import DynamicCache
 
-from mtp.cache import append_rows, keep_accepted, keep_rows, tree_attention_mask
+from mtp.cache import append_rows, grouped_keys, keep_accepted, keep_rows, tree_attention_mask
 from mtp.sampling import Sampling, accept_exact, accept_typical, draw
 from mtp.tree import LOOKUP, Tree
 
@@ -133,7 +133,7 @@ class Batch:
             positions = prefix_lens[:, None] + depths  # (B, Q) a node sits at its depth past its row's root
             dtype = self.decoder.base_model.dtype
             attention = tree_attention_mask(mask, positions, self.slots, self.decoder.windows, dtype)
-        with record_function("mtp.verify"):  # one forward pass of the base model over every tree
+        with record_function("mtp.verify"), grouped_keys(self.device):  # one pass of the base model over every tree
             hidden = self.backbone(
                 input_ids=batch, position_ids=positions, attention_mask=attention, cache=self.cache, use_cache=True
             ).last_hidden_state  # (B, Q, H)

@@ -1,5 +1,7 @@
 """Tree decoding is lossless: greedy output equals the base model's own greedy output, token for token."""
 
+import contextlib
+import os
 import types
 
 import pytest
@@ -8,7 +10,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from mtp.base import load_tokenizer
-from mtp.cache import keep_accepted
+from mtp.cache import GQA_SWITCH, grouped_keys, keep_accepted
 from mtp.decoding import Decoder
 from mtp.heads import HEAD_TYPES, HeadsConfig, MedusaHeads
 from mtp.tree import Tree
@@ -130,8 +132,11 @@ def test_without_heads_the_loop_is_plain_greedy_decoding(tokenizer):
     assert result.accept_lengths == [1] * 19 and result.forward_passes == 19
 
 
-def test_tree_attention_equals_causal_attention_along_every_path(tokenizer):
-    model = tiny_model()
+@pytest.mark.parametrize("grouped", [False, True], ids=["keys-repeated", "keys-grouped"])
+def test_tree_attention_equals_causal_attention_along_every_path(tokenizer, grouped):
+    """With transformers' copies of grouped-query keys per group, and with SDPA taking the groups as they are (the
+    decoder's verification pass on a CPU, `mtp.cache.grouped_keys`)."""
+    model = tiny_model()  # 4 query heads, 2 key-value heads
     prefix = tokenizer(PROMPT, return_tensors="pt").input_ids  # (1, P)
     torch.manual_seed(0)
     tokens = torch.randint(0, 512, (TREE.size,))  # any token at any node
@@ -140,12 +145,13 @@ def test_tree_attention_equals_causal_attention_along_every_path(tokenizer):
         model(prefix, cache=cache, use_cache=True)
         mask = torch.zeros(TREE.size, prefix.shape[1] + TREE.size)
         mask[:, prefix.shape[1] :].masked_fill_(~TREE.mask, torch.finfo(torch.float32).min)
-        tree_logits = model(
-            tokens[None],
-            cache=cache,
-            attention_mask=mask[None, None],
-            position_ids=(prefix.shape[1] + TREE.depths)[None],
-        ).logits[0]  # (N+1, V)
+        with grouped_keys(torch.device("cpu")) if grouped else contextlib.nullcontext():
+            tree_logits = model(
+                tokens[None],
+                cache=cache,
+                attention_mask=mask[None, None],
+                position_ids=(prefix.shape[1] + TREE.depths)[None],
+            ).logits[0]  # (N+1, V)
         for path in TREE.retrieve:
             nodes = path[path >= 0]
             causal = model(torch.cat([prefix[0], tokens[nodes]])[None]).logits[0, prefix.shape[1] :]  # (len, V)
@@ -242,3 +248,16 @@ def test_the_shipped_heads_decode_the_first_mt_bench_question_as_plain_greedy_do
     result = decoder.generate(messages, max_new_tokens=128)
     (expected,), _ = timed_generate(decoder.base_model, [decoder.encode(messages)], 128, GREEDY)  # plain, EOS cut
     assert result.token_ids == expected and max(result.accept_lengths) > 1  # some guesses were accepted
+
+
+def test_the_grouped_keys_switch_holds_for_the_verification_pass_only(monkeypatch):
+    monkeypatch.delenv(GQA_SWITCH, raising=False)
+    with grouped_keys(torch.device("cpu")):
+        assert os.environ[GQA_SWITCH] == "1"
+    assert GQA_SWITCH not in os.environ
+    monkeypatch.setenv(GQA_SWITCH, "0")  # the caller's own setting comes back
+    with grouped_keys(torch.device("cpu")):
+        assert os.environ[GQA_SWITCH] == "1"
+    assert os.environ[GQA_SWITCH] == "0"
+    with grouped_keys(torch.device("meta")):  # not a CPU: left alone
+        assert os.environ[GQA_SWITCH] == "0"
