@@ -1,6 +1,7 @@
-"""Why `mtp.linears` measures its choice: on a CPU, the two ways of multiplying a few input rows by a linear layer's
-weight differ in speed, and which is faster differs from one machine to another. Over 30 layers of SmolLM2-135M's seven weight shapes (distinct random weights, so the
-weights stream from memory as in a real pass), the median of 7 runs per row count, in one run:
+"""Why `mtp.linears` measures its choice: on a CPU, the two ways of multiplying a few input rows by a linear
+layer's weight differ in speed, and which is faster differs from one machine to another. Over 30 layers of
+SmolLM2-135M's seven weight shapes (distinct random weights, so the weights stream from memory as in a real
+pass), the median of 7 runs per row count, in one run:
 
     python benchmarks/narrow_linear.py
 

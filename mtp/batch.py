@@ -133,7 +133,7 @@ class Batch:
             positions = prefix_lens[:, None] + depths  # (B, Q) a node sits at its depth past its row's root
             dtype = self.decoder.base_model.dtype
             attention = tree_attention_mask(mask, positions, self.slots, self.decoder.windows, dtype)
-        with record_function("mtp.verify"), grouped_keys(self.device):  # one pass of the base model over every tree
+        with record_function("mtp.verify"), grouped_keys(self.device.type == "cpu" and size > 1):  # one base pass
             hidden = self.backbone(
                 input_ids=batch, position_ids=positions, attention_mask=attention, cache=self.cache, use_cache=True
             ).last_hidden_state  # (B, Q, H)

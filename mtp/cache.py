@@ -74,15 +74,16 @@ def tree_attention_mask(
 
 
 @contextmanager
-def grouped_keys(device: torch.device) -> Iterator[None]:
-    """Within this block, a masked SDPA pass on a CPU attends grouped-query keys and values as they are cached.
+def grouped_keys(on: bool) -> Iterator[None]:
+    """If `on`, a masked SDPA pass inside this block attends grouped-query keys and values as they are cached (mtp
+    turns it on for passes of more than one query on a CPU).
 
-    Given a mask, transformers copies each layer's keys and values once per query group (`repeat_kv`: on CUDA, SDPA
-    takes groups and a mask together only on its slow path); PyTorch's CPU kernel takes both as they are, and
-    skipping the copies saved 2-3 ms of a 2- to 4-node step of SmolLM2 here (38.5 -> 36.4 ms at 2 nodes, measured
-    with `mtp.sizing.measure_steps`). `TRANSFORMERS_SDPA_FORCE_GQA` is transformers' own switch for this; it is set
-    for the verification pass only, and elsewhere left as the caller had it."""
-    if device.type != "cpu":
+    Given a mask and more than one query, transformers copies each layer's keys and values once per query group
+    (`repeat_kv`: on CUDA, SDPA takes groups and a mask together only on its slow path); PyTorch's CPU kernel takes
+    both as they are, and skipping the copies saved 2-3 ms of a 2- to 4-node step of SmolLM2 here (38.5 -> 36.4 ms
+    at 2 nodes, measured with `mtp.sizing.measure_steps`). `TRANSFORMERS_SDPA_FORCE_GQA` is transformers' own
+    switch for this; it is set for the pass only (process-wide while it runs), and left as the caller had it."""
+    if not on:
         yield
         return
     before = os.environ.get(GQA_SWITCH)
@@ -91,7 +92,7 @@ def grouped_keys(device: torch.device) -> Iterator[None]:
         yield
     finally:
         if before is None:
-            os.environ.pop(GQA_SWITCH)
+            os.environ.pop(GQA_SWITCH, None)
         else:
             os.environ[GQA_SWITCH] = before
 

@@ -35,9 +35,13 @@ def fast_linears(model: torch.nn.Module) -> dict[str, list[int]]:
     """Give every `torch.nn.Linear` of `model` the faster product for each input row count, as measured here for
     its weight's shape (`narrow_rows`); returns, per shape, the row counts that take the W x^T path (often none).
     Outputs equal the usual ones up to float rounding order; with gradients on (training), the usual path. Works
-    on any Hugging Face model (plain `generate` included) and on mtp's heads."""
-    layers = [module for module in model.modules() if type(module) is torch.nn.Linear]
-    chosen = narrow_rows([layer.weight for layer in layers])
+    on any Hugging Face model (plain `generate` included) and on mtp's heads; layers offloaded by accelerate keep
+    their own forward."""
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear and not hasattr(m, "_hf_hook")]  # offloaded
+    groups = {}  # the layers of each device and dtype, measured apart
+    for layer in layers:
+        groups.setdefault((layer.weight.device, layer.weight.dtype), []).append(layer.weight)
+    chosen = {shape: rows for weights in groups.values() for shape, rows in narrow_rows(weights).items()}
 
     def forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -74,12 +78,14 @@ def narrow_rows(weights: list[torch.Tensor], rounds: int = 3) -> dict[str, list[
     """Per weight shape, the row counts 1..ROWS for which W x^T ran faster than x W^T by more than NOISE, over the
     weights of that shape. Both ways are timed over all of `weights` in order, as a pass streams them from memory
     (each product's time counted to its shape), for each row count in turn, `rounds` times over; the median of
-    each is kept. Measured once per machine, dtype and set of shapes."""
-    if not weights:
-        return {}
-    first = weights[0]
+    each is kept. Measured once per machine, dtype and set of shapes; on devices other than a CPU or CUDA (no
+    timing here), none."""
+    first = weights[0] if weights else None
+    if first is None or first.device.type not in ("cpu", "cuda"):
+        return {_shape(w): [] for w in weights}
     shapes = sorted({_shape(w) for w in weights})
-    key = f"{device_name(first.device)} | torch {torch.__version__} | {first.dtype} | {len(weights)} weights {shapes}"
+    key = (f"{device_name(first.device)} | torch {torch.__version__} | {first.dtype} | rows {ROWS}, noise {NOISE}, "
+           f"{rounds} rounds | {len(weights)} weights {shapes}")  # fmt: skip
 
     def measure() -> dict[str, list[int]]:
         inputs = {rows: {width: torch.randn(rows, width, dtype=first.dtype, device=first.device)

@@ -3,8 +3,10 @@
 import json
 import os
 import platform
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -19,20 +21,26 @@ def device_name(device: str | torch.device) -> str:
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
+    if device.type != "cpu":
+        return device.type
     cpuinfo = Path("/proc/cpuinfo")
     names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
              if line.startswith("model name")] if cpuinfo.is_file() else []  # fmt: skip
     return f"{names[0] if names else platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
 
 
-def measured(file: str, key: str, measure: Callable[[], list], again: bool = False) -> list:
+def measured(file: str, key: str, measure: Callable[[], Any], again: bool = False) -> Any:
     """`measure()` as cached under `key` in `cache_dir() / file` (a JSON object), measured and stored first if it
-    is not there yet, or if `again`."""
+    is not there yet, or if `again`. Processes measuring at once each add their own key (the last one's value
+    stays for a key they share)."""
     store = cache_dir() / file
     cached = json.loads(store.read_text()) if store.is_file() else {}
     if again or key not in cached:
-        cached[key] = measure()
+        value = measure()
         store.parent.mkdir(parents=True, exist_ok=True)
-        store.with_suffix(".tmp").write_text(json.dumps(cached, indent=1))
-        os.replace(store.with_suffix(".tmp"), store)  # written aside, then renamed: never half a file
+        cached = json.loads(store.read_text()) if store.is_file() else {}  # what others stored meanwhile
+        cached[key] = value
+        with tempfile.NamedTemporaryFile("w", dir=store.parent, suffix=".tmp", delete=False) as staging:
+            json.dump(cached, staging, indent=1)
+        os.replace(staging.name, store)  # written aside, then renamed: never half a file
     return cached[key]

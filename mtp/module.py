@@ -166,7 +166,7 @@ class HeadsModule(L.LightningModule):
                 "cache_hidden with lora: the adapted base's hidden states change every step, so they cannot be "
                 "cached; set cache_hidden: false (or drop lora to keep the base frozen)."
             )
-        self.base_model, tokenizer = load_base(base_model)
+        self.base_model, tokenizer = load_base(base_model, fast=False)  # training: the usual products
         self.base_model.requires_grad_(False)
         lm_head_weight = self.base_model.get_output_embeddings().weight
         identity = base_identity(base_model, self.base_model, tokenizer)

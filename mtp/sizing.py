@@ -83,19 +83,19 @@ def measure_steps(model, tokenizer, heads: Heads, paths: list[Path], context: in
     return [min(median[1, False], median[1, True])] + [median[size, False] for size in sizes[1:]]
 
 
-def step_costs(measured: list[float], max_nodes: int) -> list[float]:
+def step_costs(timed: list[float], max_nodes: int) -> list[float]:
     """Seconds per step for every size 1..max_nodes: linear between the timed sizes, and past the last one along
     the last two's line; never decreasing (a bigger tree never costs less; a dip is timing noise)."""
-    sizes = SIZES[: len(measured)]
+    sizes = SIZES[: len(timed)]
     costs = []
     for n in range(1, max_nodes + 1):
         i = max(j for j, s in enumerate(sizes) if s <= n)
         j = min(i, len(sizes) - 2)  # past the last timed size: the line through the last two
         if j < 0:
-            costs.append(measured[0])
+            costs.append(timed[0])
         else:
             frac = (n - sizes[j]) / (sizes[j + 1] - sizes[j])
-            costs.append(measured[j] + frac * (measured[j + 1] - measured[j]))
+            costs.append(timed[j] + frac * (timed[j + 1] - timed[j]))
         costs[-1] = max(costs[-1], costs[-2] if len(costs) > 1 else 0.0)
     return costs
 
@@ -270,15 +270,15 @@ def main() -> None:
     examples = held_out(args, base_model).val_examples if args.data else None
     table = size_tree(args.heads, device=args.device, dtype=getattr(torch, args.dtype), max_nodes=args.max_nodes,
                       context=args.context, remeasure=args.remeasure, held_out=examples)  # fmt: skip
-    measured = "measured" in table
+    simulated = "measured" in table
     print(f"{table['device']}\n  size  expected tau  step ms  expected speedup"
-          + ("  held-out tau / speedup  with lookup: tau / speedup, lengths" if measured else ""))  # fmt: skip
+          + ("  held-out tau / speedup  with lookup: tau / speedup, lengths" if simulated else ""))  # fmt: skip
     columns = zip(*(table[k] for k in ("size", "expected_tau", "step_seconds", "expected_speedup")), strict=True)
     for n, tau, cost, speedup in columns:
         chosen = "  <- chosen" if n == table["chosen"] else ""
         if n in SIZES or chosen:
             row = f"  {n:4d}  {tau:12.2f}  {cost * 1e3:7.1f}  {speedup:16.2f}"
-            if measured:
+            if simulated:
                 alone, both = table["measured"][n - 1], table["lookup"][n - 1]
                 row += f"  {alone['tau']:14.2f} / {alone['speedup']:.2f}  {both['tau']:17.2f} / {both['speedup']:.2f}"
                 row += f", {both['lengths']}"
@@ -286,7 +286,7 @@ def main() -> None:
     costs = dict(zip(table["size"], table["step_seconds"], strict=True))
     ratios = ", ".join(f"{n} nodes {costs[n] / costs[1]:.2f}x" for n in (2, 3, 4, 8) if n in costs)
     print(f"A step's cost against the fastest plain step ({costs[1] * 1e3:.1f} ms): {ratios}")
-    if measured:
+    if simulated:
         roots = table["roots"]
         shares = ", ".join(f"{n} tokens {share:.1%}" for n, share in enumerate(roots["matched"], 1))
         print(f"{roots['count']} held-out answer tokens as roots; lookup's longest match: {shares}")

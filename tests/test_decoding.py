@@ -1,6 +1,5 @@
 """Tree decoding is lossless: greedy output equals the base model's own greedy output, token for token."""
 
-import contextlib
 import os
 import types
 
@@ -145,7 +144,7 @@ def test_tree_attention_equals_causal_attention_along_every_path(tokenizer, grou
         model(prefix, cache=cache, use_cache=True)
         mask = torch.zeros(TREE.size, prefix.shape[1] + TREE.size)
         mask[:, prefix.shape[1] :].masked_fill_(~TREE.mask, torch.finfo(torch.float32).min)
-        with grouped_keys(torch.device("cpu")) if grouped else contextlib.nullcontext():
+        with grouped_keys(grouped):
             tree_logits = model(
                 tokens[None],
                 cache=cache,
@@ -252,12 +251,12 @@ def test_the_shipped_heads_decode_the_first_mt_bench_question_as_plain_greedy_do
 
 def test_the_grouped_keys_switch_holds_for_the_verification_pass_only(monkeypatch):
     monkeypatch.delenv(GQA_SWITCH, raising=False)
-    with grouped_keys(torch.device("cpu")):
+    with grouped_keys(True):
         assert os.environ[GQA_SWITCH] == "1"
     assert GQA_SWITCH not in os.environ
     monkeypatch.setenv(GQA_SWITCH, "0")  # the caller's own setting comes back
-    with grouped_keys(torch.device("cpu")):
+    with grouped_keys(True):
         assert os.environ[GQA_SWITCH] == "1"
     assert os.environ[GQA_SWITCH] == "0"
-    with grouped_keys(torch.device("meta")):  # not a CPU: left alone
+    with grouped_keys(False):  # off (not a CPU, or one query): left alone
         assert os.environ[GQA_SWITCH] == "0"

@@ -78,7 +78,10 @@ def test_the_choice_is_the_faster_path_measured_once_per_machine(monkeypatch, tm
     assert narrow_rows([torch.randn(4, 16)]) == {"4x16": list(range(1, ROWS + 1))}  # other shapes: measured anew
 
 
-def test_load_base_gives_every_linear_layer_the_measured_choice():
+def test_load_base_gives_every_linear_layer_the_measured_choice_and_training_the_usual_one():
     model, _ = load_base(TINY_BASE)
     layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
-    assert layers and all("forward" in vars(m) and isinstance(m.narrow_rows, frozenset) for m in layers)
+    choice = narrow_rows([layer.weight for layer in layers])  # cached: what load_base measured
+    assert layers and all(layer.narrow_rows == set(choice[linears._shape(layer.weight)]) for layer in layers)
+    trained, _ = load_base(TINY_BASE, fast=False)
+    assert not any("forward" in vars(m) for m in trained.modules())
