@@ -3,12 +3,13 @@ layer's weight differ in speed, and which is faster differs from one machine to 
 SmolLM2-135M's seven weight shapes (distinct random weights, so the weights stream from memory as in a real
 pass), the median of 7 runs per row count, in one run:
 
-    python benchmarks/narrow_linear.py
+    python benchmarks/narrow_linear.py [--dtype bfloat16]
 
 x W^T is what `torch.nn.functional.linear` computes; W x^T is the narrow path, the same product (one row repeated
 into two, as `mtp.linears.narrow_product` takes it).
 """
 
+import argparse
 import time
 
 import torch
@@ -22,7 +23,7 @@ SHAPES = [(HIDDEN, HIDDEN), (192, HIDDEN), (192, HIDDEN), (HIDDEN, HIDDEN), (INT
 
 
 def seconds(weights: list[torch.Tensor], rows: int, narrow: bool) -> float:
-    inputs = {width: torch.randn(rows, width) for width in (HIDDEN, INTERMEDIATE)}
+    inputs = {width: torch.randn(rows, width, dtype=weights[0].dtype) for width in (HIDDEN, INTERMEDIATE)}
     start = time.perf_counter()
     for weight in weights:
         x = inputs[weight.shape[1]]
@@ -31,9 +32,13 @@ def seconds(weights: list[torch.Tensor], rows: int, narrow: bool) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    dtype = getattr(torch, parser.parse_args().dtype)
     torch.manual_seed(0)
-    weights = [torch.randn(out, width) for _ in range(30) for out, width in SHAPES]
-    print(f"{sum(w.numel() for w in weights) * 4 / 1e6:.0f} MB of weights, {torch.get_num_threads()} threads")
+    weights = [torch.randn(out, width, dtype=dtype) for _ in range(30) for out, width in SHAPES]
+    megabytes = sum(w.numel() * w.element_size() for w in weights) / 1e6
+    print(f"{megabytes:.0f} MB of weights in {dtype}, {torch.get_num_threads()} threads")
     print("| rows | x W^T ms | W x^T ms | x W^T against 1 row | W x^T against 1 row |")
     print("| ---: | ---: | ---: | ---: | ---: |")
     one = None
