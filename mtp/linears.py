@@ -52,7 +52,9 @@ def fast_linears(model: torch.nn.Module) -> dict[str, list[int]]:
 
     for layer in layers:
         layer.narrow_rows = frozenset(chosen[_shape(layer.weight)])
-        layer.forward = forward.__get__(layer)
+        vars(layer).pop("forward", None)  # a layer with nothing chosen keeps its own forward: no call added per step
+        if layer.narrow_rows:
+            layer.forward = forward.__get__(layer)
     return chosen
 
 
