@@ -14,7 +14,7 @@ import torch
 
 from mtp.base import load_tokenizer
 from mtp.data import HeadsDataModule, add_held_out_arguments, held_out
-from mtp.heads import Heads
+from mtp.folder import Drafter
 from mtp.module import HeadsModule
 from mtp.tree import grow_tree
 
@@ -23,7 +23,7 @@ SIZES = (4, 8, 16, 32, 64)
 
 def rank_accuracy(heads_path: str, data: HeadsDataModule) -> torch.Tensor:
     """(K, RANKS): how often head k's rank-r guess is the target, over `data`'s validation answers."""
-    heads = Heads.from_pretrained(heads_path)
+    heads = Drafter.from_pretrained(heads_path)
     config = heads.config
     module = HeadsModule(
         config.base_model, config.num_heads, config.num_layers, config.lm_head, head_type=config.head_type
@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--heads", nargs="+", required=True, help="heads folders")
     add_held_out_arguments(parser)
     args = parser.parse_args()
-    first = Heads.from_pretrained(args.heads[0]).config
+    first = Drafter.from_pretrained(args.heads[0]).config
     base, num_heads = first.base_model, first.num_heads
     data = held_out(args, base)
     tokens = sum(int(mask.sum()) for _, mask, _ in data.val_examples)

@@ -4,7 +4,7 @@ import torch
 
 from mtp.base import load_base
 from mtp.decoding import Decoder, GenerationResult
-from mtp.heads import Heads
+from mtp.folder import Drafter
 from mtp.linears import fast_linears, usual_linears
 from mtp.lookup import Lookup
 from mtp.sampling import Sampling
@@ -38,7 +38,7 @@ def load(
     With neither `tree` nor `lookup` given, steps over several prompts at once take the trees and lookups that
     `mtp.sizing` chose per batch size (`HeadsConfig.batch_trees`); a given one holds for every step.
     """
-    heads = Heads.from_pretrained(heads_path)
+    heads = Drafter.from_pretrained(heads_path)
     name = base_model or heads.config.base_model
     model, tokenizer = load_base(name, device=device, dtype=dtype)
     heads.check_base(name, model, tokenizer)

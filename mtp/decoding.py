@@ -11,7 +11,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from mtp.batch import Batch
 from mtp.cache import attention_windows
-from mtp.heads import Heads
+from mtp.folder import Drafter
 from mtp.lookup import Lookup
 from mtp.sampling import GREEDY, Sampling
 from mtp.tree import Tree
@@ -62,7 +62,7 @@ class Decoder:
         self,
         base_model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
-        heads: Heads | None = None,
+        heads: Drafter | None = None,
         tree: Tree | None = None,
         lookup: Lookup | None = None,
         batch_trees: dict[int, tuple[Tree, Lookup | None]] | None = None,

@@ -15,7 +15,7 @@ from torch.nn import functional as F
 from mtp.base import load_base
 from mtp.cli import user_errors
 from mtp.data import add_held_out_arguments, held_out
-from mtp.heads import Heads
+from mtp.folder import Drafter
 from mtp.module import divergence
 
 
@@ -25,7 +25,7 @@ def drift(heads_path: str, examples: list, prompts: int, max_new_tokens: int, de
     answers to the prompts of the first `prompts` of them, and the counts they are over."""
     from peft import PeftModel
 
-    heads = Heads.from_pretrained(heads_path)
+    heads = Drafter.from_pretrained(heads_path)
     if not heads.config.adapter:
         raise ValueError(f"{heads_path} has no adapter: these heads decode with the original base, nothing moved.")
     base, tokenizer = load_base(heads.config.base_model, device)
@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
-    examples = held_out(args, Heads.from_pretrained(args.heads).config.base_model).val_examples
+    examples = held_out(args, Drafter.from_pretrained(args.heads).config.base_model).val_examples
     found = drift(args.heads, examples, args.prompts, args.max_new_tokens, args.device)
     print(
         f"Over {found['answer_tokens']} held-out answer tokens: top-1 agreement {found['agreement']:.2%}, mean KL "

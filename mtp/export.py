@@ -31,10 +31,10 @@ from safetensors.torch import save_file
 
 from mtp.base import load_base
 from mtp.cli import user_errors
-from mtp.heads import Heads
+from mtp.folder import Drafter
 
 
-def to_vllm(heads: Heads, base_lm_head: torch.Tensor, out: str | Path) -> Path:
+def to_vllm(heads: Drafter, base_lm_head: torch.Tensor, out: str | Path) -> Path:
     """Write `heads` in vLLM's Medusa layout into `out`; `base_lm_head` (V, H): the base model's lm_head weight."""
     config = heads.config
     if heads.reads_path:
@@ -78,7 +78,7 @@ def to_vllm(heads: Heads, base_lm_head: torch.Tensor, out: str | Path) -> Path:
     return out
 
 
-def model_card(heads: Heads, repo_id: str, data: str, tau: str) -> str:
+def model_card(heads: Drafter, repo_id: str, data: str, tau: str) -> str:
     """A Hub model card for `heads`: the base, the heads, the data, the calibration, the tree, the measured tau."""
     config = heads.config
     calibration = "not measured (no validation split)"
@@ -115,7 +115,7 @@ def to_hub(heads_path: str, repo_id: str, data: str, tau: str, private: bool = F
     """Upload the heads folder with its model card to Hub repository `repo_id`; returns the repository's URL."""
     from huggingface_hub import HfApi
 
-    heads = Heads.from_pretrained(heads_path)
+    heads = Drafter.from_pretrained(heads_path)
     with tempfile.TemporaryDirectory() as folder:
         shutil.copytree(heads_path, folder, dirs_exist_ok=True)  # the folder as it is, and its card
         (Path(folder) / "README.md").write_text(model_card(heads, repo_id, data, tau))
@@ -143,7 +143,7 @@ def main() -> None:
     if args.to == "hub":
         print(f"Uploaded {args.heads} to {to_hub(args.heads, args.repo, args.data, args.tau, args.private)}")
         return
-    heads = Heads.from_pretrained(args.heads)
+    heads = Drafter.from_pretrained(args.heads)
     model, tokenizer = load_base(heads.config.base_model)
     heads.check_base(heads.config.base_model, model, tokenizer)
     out = to_vllm(heads, model.get_output_embeddings().weight, args.out)

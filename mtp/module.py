@@ -13,8 +13,9 @@ from torch.nn import functional as F
 from torchmetrics import MeanMetric, Metric
 
 from mtp.base import DEFAULT_BASE, load_base
-from mtp.heads import HEAD_TYPES, Heads, HeadsConfig, base_identity, weights_fingerprint
-from mtp.loss import IGNORE, default_weights, following_tokens, head_targets, heads_loss, shifted
+from mtp.drafters import DRAFTERS
+from mtp.folder import Drafter, HeadsConfig, base_identity, weights_fingerprint
+from mtp.loss import IGNORE, default_weights, head_targets, heads_loss, shifted
 
 TOP_K = (1, 5)
 RANKS = 10  # calibration: how often each head's rank-r guess is right, r < RANKS
@@ -121,6 +122,9 @@ class HeadsModule(L.LightningModule):
         teacher: bool = False,
         lora: Lora | None = None,
         init_heads: str | None = None,
+        feature_layers: list[int] | None = None,
+        feature_noise: float = 0.0,
+        cache_dtype: str = "float32",
     ):
         """Medusa-style heads trained by teacher forcing on a frozen base model (or, with `lora`, on the base
         model trained through low-rank adapters at the same time).
@@ -148,6 +152,12 @@ class HeadsModule(L.LightningModule):
             lora: train LoRA adapters of the base model with the heads (see `Lora`); None: the base stays frozen.
             init_heads: start from the heads in this folder, of the same kind and base, and their draft vocabulary
                 (for example frozen-base heads, trained on with `lora`: Medusa-2's two stages).
+            feature_layers: for `eagle`: the base model's hidden states it reads (0: the input embeddings, i: the
+                output of decoder layer i - 1); default: a low, a middle and a high one, 2, L // 2 and L - 3 of L
+                layers, as EAGLE-3 reads them.
+            feature_noise: for `eagle`: standard deviation of the Gaussian noise added to the base model's features
+                in training (0: none), so that the drafter learns to read imperfect ones, as it must its own.
+            cache_dtype: `float32` or `bfloat16` (half the memory) for the hidden states `cache_hidden` keeps.
         """
         super().__init__()
         if isinstance(lora, dict):  # from a checkpoint's hyperparameters
@@ -161,6 +171,8 @@ class HeadsModule(L.LightningModule):
         self.weights = weights
         if draft_vocab < 0:
             raise ValueError(f"draft_vocab={draft_vocab}: use 0 (the whole vocabulary) or a number of tokens.")
+        if cache_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"cache_dtype={cache_dtype!r}: choose 'float32' or 'bfloat16'.")
         if lora is not None and cache_hidden:
             raise ValueError(
                 "cache_hidden with lora: the adapted base's hidden states change every step, so they cannot be "
@@ -168,14 +180,17 @@ class HeadsModule(L.LightningModule):
             )
         self.base_model, tokenizer = load_base(base_model, fast=False)  # training: the usual products
         self.base_model.requires_grad_(False)
-        lm_head_weight = self.base_model.get_output_embeddings().weight
         identity = base_identity(base_model, self.base_model, tokenizer)
+        if head_type == "eagle" and feature_layers is None:
+            depth = self.base_model.config.get_text_config(decoder=True).num_hidden_layers
+            feature_layers = [2, depth // 2, depth - 3] if depth >= 6 else [depth]
         config = HeadsConfig(
-            num_heads=num_heads, num_layers=num_layers, lm_head=lm_head, head_type=head_type, **identity
-        )
-        self.heads = HEAD_TYPES[config.head_type](config, lm_head_weight.detach())
+            num_heads=num_heads, num_layers=num_layers, lm_head=lm_head, head_type=head_type,
+            feature_layers=feature_layers or [], **identity,
+        )  # fmt: skip
+        self.heads = DRAFTERS[config.head_type].new(config, self.base_model)
         if init_heads is not None:
-            start = Heads.from_pretrained(init_heads)
+            start = Drafter.from_pretrained(init_heads)
             start.check_base(base_model, self.base_model, tokenizer)
             kind = ("num_heads", "num_layers", "lm_head", "head_type")
             if any(getattr(start.config, key) != getattr(config, key) for key in kind):
@@ -183,8 +198,9 @@ class HeadsModule(L.LightningModule):
                     f"init_heads {init_heads!r} holds {', '.join(f'{k} {getattr(start.config, k)}' for k in kind)}; "
                     f"this model has {', '.join(f'{k} {getattr(config, k)}' for k in kind)}: set the same."
                 )
+            if start.config.draft_vocab is not None:
+                self.heads.set_draft_vocab(start.config.draft_vocab, self.base_model)
             self.heads.load_state_dict(start.state_dict())
-            config.draft_vocab = start.config.draft_vocab
         if lora is not None:  # the adapter is only right on the weights it was trained on
             config.adapter, config.base_weights = True, weights_fingerprint(self.base_model)
             self.base_model = with_adapters(self.base_model, lora)
@@ -207,20 +223,23 @@ class HeadsModule(L.LightningModule):
         return self
 
     def backbone(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The base model's last hidden states (B, T, H)."""
-        return self.base_model.get_decoder()(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
-        ).last_hidden_state
+        """The base model's hidden states at the drafter's `feature_layers`, then its last ones: (B, T, (L+1) H)."""
+        layers = self.heads.config.feature_layers
+        out = self.base_model.get_decoder()(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
+            output_hidden_states=bool(layers),
+        )  # fmt: skip
+        return torch.cat([*(out.hidden_states[i] for i in layers), out.last_hidden_state], -1)
 
     def hidden_states(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The base model's last hidden states (B, T, H), from the cache when every example is in it; with
-        adapters, with their gradients."""
+        """`backbone`'s states (B, T, (L+1) H), from the cache when every example is in it; with adapters, with
+        their gradients."""
         if self.lora is not None:
             return self.backbone(batch)
         indices, lengths = batch["index"].tolist(), batch["attention_mask"].sum(1).tolist()
         if self.hparams.cache_hidden and all(index in self.hidden_cache for index in indices):
             cached = [self.hidden_cache[index].to(self.device) for index in indices]
-            hidden = cached[0].new_zeros(*batch["input_ids"].shape, cached[0].shape[-1])  # (B, T, H), right-padded
+            hidden = cached[0].new_zeros(*batch["input_ids"].shape, cached[0].shape[-1], dtype=self.base_model.dtype)
             for row, states in enumerate(cached):
                 hidden[row, : len(states)] = states
             return hidden
@@ -228,24 +247,25 @@ class HeadsModule(L.LightningModule):
             hidden = self.backbone(batch)  # (B, T, H)
         if self.hparams.cache_hidden:
             for row, (index, length) in enumerate(zip(indices, lengths, strict=True)):
-                self.hidden_cache[index] = hidden[row, :length].to("cpu", copy=True)
+                self.hidden_cache[index] = hidden[row, :length].to("cpu", getattr(torch, self.hparams.cache_dtype),
+                                                                   copy=True)  # fmt: skip
         return hidden
 
     def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
-        hidden = self.hidden_states(batch)  # (B, T, H)
+        states = self.hidden_states(batch)  # (B, T, (L+1) H)
+        size = self.heads.config.hidden_size
+        hidden, features = states[..., -size:], states[..., :-size]  # (B, T, H) the last, (B, T, L H) the layers'
+        if self.hparams.feature_noise and stage == "train":
+            features = features + self.hparams.feature_noise * torch.randn_like(features)
         targets = head_targets(batch["input_ids"], batch["loss_mask"], len(self.weights))  # (K, B, T)
         keep = (targets != IGNORE).any(0)  # (B, T): positions where some head has a target
         targets = targets[:, keep]  # (K, N)
         lm_head, num_heads = self.base_model.get_output_embeddings(), len(self.weights)
-        following = None  # (N, K, H) the input embeddings of the true tokens t+1 .. t+K, for heads that read them
-        if self.heads.reads_path:
-            following = self.base_model.get_input_embeddings()(following_tokens(batch["input_ids"], num_heads)[keep])
+        embed = self.base_model.get_input_embeddings()
+        # (K, N, V), or (K, N, D): the heads learn to rank the draft tokens only, as they will when decoding
+        logits = self.heads.teacher_forced(hidden, features, batch["input_ids"], keep, lm_head, embed)
         draft = self.heads.config.draft_vocab
-        if draft is None:
-            logits, scored = self.heads(hidden[keep], lm_head, following=following), targets  # (K, N, V), (K, N)
-        else:  # the heads learn to rank the draft tokens only, as they will when decoding
-            logits = self.heads.draft_logits(hidden[keep], lm_head, following=following)  # (K, N, D)
-            scored = draft_columns(targets, draft, self.heads.config.vocab_size)  # (K, N)
+        scored = targets if draft is None else draft_columns(targets, draft, self.heads.config.vocab_size)  # (K, N)
         teacher = None
         if self.hparams.teacher:  # head k's target: the base model's own prediction at t+k+1, for token t+k+2
             # (K, N, H); a target, not a path for gradients into the adapters
@@ -296,13 +316,14 @@ class HeadsModule(L.LightningModule):
     def validation_step(self, batch, batch_idx):
         self._step(batch, "val")
 
-    def on_fit_start(self) -> None:
-        if self.hparams.draft_vocab and self.hparams.init_heads is None:
+    def setup(self, stage: str) -> None:
+        """Choose the draft vocabulary before the optimizer is made: a drafter's own lm_head is sized by it."""
+        if stage == "fit" and self.hparams.draft_vocab and self.hparams.init_heads is None:
             examples = self.trainer.datamodule.train_examples
             targets = torch.cat([ids[mask] for ids, mask, _ in examples])  # every target token of the training split
             counts = torch.bincount(targets, minlength=self.heads.config.vocab_size)  # (V,)
             top = counts.topk(min(self.hparams.draft_vocab, len(counts)))
-            self.heads.config.draft_vocab = top.indices.tolist()
+            self.heads.set_draft_vocab(top.indices.tolist(), self.base_model)
             rank_zero_info(
                 f"Draft vocabulary: the {len(top.indices)} most frequent tokens cover "
                 f"{float(top.values.sum() / counts.sum()):.1%} of the training targets"

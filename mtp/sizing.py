@@ -35,7 +35,7 @@ from mtp.batch import Batch
 from mtp.cli import user_errors
 from mtp.data import add_held_out_arguments, held_out
 from mtp.decoding import Decoder
-from mtp.heads import Heads
+from mtp.folder import Drafter
 from mtp.linears import usual_linears
 from mtp.lookup import FULL, MAX_NGRAM, Lookup
 from mtp.loss import following_tokens
@@ -55,7 +55,7 @@ def timed_sizes(paths: list[Path], batch: int) -> list[int]:
     return [s for s in SIZES if s <= len(paths) + 1 and (batch == 1 or s <= BATCH_MAX_NODES)]
 
 
-def measure_steps(model, tokenizer, heads: Heads, paths: list[Path], context: int, steps: int = 4,
+def measure_steps(model, tokenizer, heads: Drafter, paths: list[Path], context: int, steps: int = 4,
                   rounds: int = 3, batch: int = 1) -> list[float]:  # fmt: skip
     """Seconds per decoding step of `batch` rows for each of `timed_sizes`, after prompts of `context` random
     tokens. Size 1 is the fastest plain decoding step: without heads, with the products mtp chose (`mtp.linears`)
@@ -101,7 +101,7 @@ def step_costs(timed: list[float], max_nodes: int) -> list[float]:
 
 
 @torch.no_grad()
-def held_out_roots(model, heads: Heads, paths: list[Path], examples: list, lookup: Lookup) -> dict[str, torch.Tensor]:
+def held_out_roots(model, heads: Drafter, paths: list[Path], examples: list, lookup: Lookup) -> dict[str, torch.Tensor]:
     """Every answer token of `examples` ((ids, mask, ...): the base model's own answers to prompts the heads did not
     train on) taken as a decoding step's root, with what a step there can accept, against the answer's own next
     tokens. Rows, roots of one answer consecutive: `left`, answer tokens after the root; `order[:, d]`, the place
@@ -187,7 +187,7 @@ def expected_speedups(heads_path: str, device: str = "cpu", dtype: torch.dtype =
     `held_out` (answers of the base model to prompts the heads did not train on, as (ids, mask, ...)), decoding
     them is simulated (`simulate`) for every size with the heads alone (`measured`) and beside the best lookup
     lengths (`lookup`), and the best of those chooses the size and `chosen_lookup`."""
-    heads = Heads.from_pretrained(heads_path)
+    heads = Drafter.from_pretrained(heads_path)
     if heads.config.calibration is None:
         raise ValueError(
             f"{heads_path} has no calibration (rank accuracies): train with a validation split "
@@ -244,7 +244,7 @@ def size_tree(heads_path: str, **options) -> dict:
     """Save the tree with the highest expected speedup on this device into the heads' config (options: those
     of `expected_speedups`); returns the table it was chosen from."""
     table = expected_speedups(heads_path, **options)
-    heads = Heads.from_pretrained(heads_path)
+    heads = Drafter.from_pretrained(heads_path)
     heads.config.tree = [list(path) for path in table["paths"][: table["chosen"] - 1]]
     heads.config.lookup = table["chosen_lookup"]
     heads.config.batch_trees = []
@@ -266,7 +266,7 @@ def main() -> None:
     parser.add_argument("--remeasure", action="store_true", help="time the steps again, even if cached")
     add_held_out_arguments(parser, required=False)
     args = parser.parse_args()
-    base_model = Heads.from_pretrained(args.heads).config.base_model
+    base_model = Drafter.from_pretrained(args.heads).config.base_model
     examples = held_out(args, base_model).val_examples if args.data else None
     table = size_tree(args.heads, device=args.device, dtype=getattr(torch, args.dtype), max_nodes=args.max_nodes,
                       context=args.context, remeasure=args.remeasure, held_out=examples)  # fmt: skip

@@ -10,7 +10,8 @@ import mtp.bench
 import mtp.sizing
 import train
 from mtp.base import load_base
-from mtp.heads import HeadsConfig, MedusaHeads, base_identity
+from mtp.folder import HeadsConfig, base_identity
+from mtp.heads import MedusaHeads
 from tests.conftest import DATA, ROOT, TINY_BASE
 from tests.test_stopping import save_random_heads
 

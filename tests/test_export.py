@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from torch.nn import functional as F
 
 import mtp.export
-from mtp.heads import Heads
+from mtp.folder import Drafter
 from tests.test_stopping import save_random_heads
 
 
@@ -49,7 +49,7 @@ def vllm_logits(config: dict, weights: dict[str, torch.Tensor], hidden: torch.Te
 @pytest.mark.parametrize("lm_head, draft", [("shared", True), ("own", False)], ids=["shared-draft", "own-full"])
 def test_an_exported_folder_is_what_vllm_loads_and_computes_what_the_heads_do(tmp_path, lm_head, draft):
     path, model, _ = save_random_heads(tmp_path, lm_head)
-    heads = Heads.from_pretrained(path)
+    heads = Drafter.from_pretrained(path)
     if draft:
         heads.config.draft_vocab = list(range(3, 300, 2))
     out = mtp.export.to_vllm(heads, model.get_output_embeddings().weight, tmp_path / "vllm")
@@ -92,7 +92,7 @@ def test_heads_are_published_with_a_model_card_and_load_back_by_repository_id(tm
     import huggingface_hub
 
     path, _, _ = save_random_heads(tmp_path)
-    heads = Heads.from_pretrained(path)
+    heads = Drafter.from_pretrained(path)
     heads.config.calibration = [[0.5, 0.1, 0.05, 0.05, 0.05], [0.3, 0.1, 0.1, 0.0, 0.0], [0.2] + [0.0] * 4]
     heads.save_config(path)
     hub = tmp_path / "hub"
@@ -116,7 +116,7 @@ def test_heads_are_published_with_a_model_card_and_load_back_by_repository_id(tm
     fetched = []
     monkeypatch.setattr(huggingface_hub, "snapshot_download",
                         lambda repo_id, allow_patterns: fetched.append(repo_id) or str(hub / repo_id))  # fmt: skip
-    loaded = Heads.from_pretrained("someone/tiny-heads")
+    loaded = Drafter.from_pretrained("someone/tiny-heads")
     assert fetched == ["someone/tiny-heads"] and loaded.config == heads.config
     for a, b in zip(heads.state_dict().values(), loaded.state_dict().values(), strict=True):
         assert torch.equal(a, b)
@@ -130,4 +130,4 @@ def test_a_repository_that_cannot_be_fetched_is_a_clear_error(monkeypatch):
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     with pytest.raises(FileNotFoundError, match="'someone/missing' is not a local folder.*ConnectionError: no network"):
-        Heads.from_pretrained("someone/missing")
+        Drafter.from_pretrained("someone/missing")

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from mtp.base import load_base
-from mtp.heads import Heads, HeadsConfig, HydraHeads, MedusaHeads, base_identity
+from mtp.folder import Drafter, HeadsConfig, base_identity
+from mtp.heads import HydraHeads, MedusaHeads
 from mtp.tree import Tree
 from tests.conftest import TINY_BASE
 
@@ -119,7 +120,7 @@ def test_hydra_heads_fill_each_node_with_the_guess_for_its_own_path(tiny, config
 def test_hydra_heads_round_trip_and_refuse_to_run_without_the_path(tiny, config, tmp_path):
     model, heads = random_heads(tiny, config, "shared", HydraHeads)
     heads.save_pretrained(tmp_path)
-    loaded = Heads.from_pretrained(tmp_path)
+    loaded = Drafter.from_pretrained(tmp_path)
     hidden, following = torch.randn(4, config.hidden_size), torch.randn(4, 3, config.hidden_size)
     assert isinstance(loaded, HydraHeads)
     assert torch.equal(loaded(hidden, model.get_output_embeddings(), following=following),
@@ -166,14 +167,14 @@ def test_heads_round_trip_through_a_folder(tiny, config, lm_head, tmp_path):
 
 
 def test_heads_larger_than_a_part_are_written_in_parts_and_load_back_whole(tiny, config, tmp_path, monkeypatch):
-    import mtp.heads
+    import mtp.folder
 
     model, _ = tiny
     heads = MedusaHeads(config, model.get_output_embeddings().weight.detach())
     for parameter in heads.parameters():
         torch.nn.init.normal_(parameter)
     heads.save_pretrained(tmp_path)  # one file first: rewriting in parts must not leave it behind
-    monkeypatch.setattr(mtp.heads, "SHARD_BYTES", 20_000)  # each block's weight (64 x 64 floats) is 16 kB
+    monkeypatch.setattr(mtp.folder, "SHARD_BYTES", 20_000)  # each block's weight (64 x 64 floats) is 16 kB
     heads.save_pretrained(tmp_path)
     parts = sorted(p.name for p in tmp_path.glob("model*.safetensors"))
     assert len(parts) == 6 and parts[0] == "model-00001-of-00006.safetensors"
@@ -210,7 +211,7 @@ def test_heads_refuse_a_base_they_were_not_trained_for(tiny, config, tmp_path):
         (dict(num_heads=0), "num_heads=0"),
         (dict(num_layers=0), "num_layers=0"),
         (dict(lm_head="tied"), "'shared'"),
-        (dict(head_type="eagle"), r"head_type='eagle': choose one of \['hydra', 'medusa'\]"),
+        (dict(head_type="eaglet"), r"head_type='eaglet': choose one of \['eagle', 'hydra', 'medusa'\]"),
     ],
 )
 def test_bad_head_config_is_a_clear_error(bad, message):

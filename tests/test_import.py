@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 from torch.nn import functional as F
 
 import mtp
-from mtp.heads import Heads
+from mtp.folder import Drafter
 from tests.conftest import TINY_BASE
 from tests.test_decoding import reference
 
@@ -37,7 +37,7 @@ def faster_decoding_checkpoint(folder, num_heads=3, num_layers=2, suffix="safete
 @pytest.mark.parametrize("suffix", ["safetensors", "pt"])
 def test_a_medusa_checkpoint_loads_as_heads_with_the_same_logits(tmp_path, suffix):
     weights = faster_decoding_checkpoint(tmp_path, suffix=suffix)
-    heads = Heads.from_pretrained(tmp_path)
+    heads = Drafter.from_pretrained(tmp_path)
     assert heads.config.num_heads == 3 and heads.config.num_layers == 2 and heads.config.lm_head == "own"
     assert heads.config.base_model == TINY_BASE and heads.config.hidden_size == HIDDEN
     hidden = torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(1))
@@ -65,14 +65,14 @@ def test_a_broken_or_mismatched_checkpoint_is_a_clear_error(tmp_path):
     (tmp_path / "none").mkdir()
     (tmp_path / "none" / "config.json").write_text(json.dumps({"medusa_num_heads": 2}))
     with pytest.raises(FileNotFoundError, match="medusa_lm_head.safetensors"):
-        Heads.from_pretrained(tmp_path / "none")
+        Drafter.from_pretrained(tmp_path / "none")
     faster_decoding_checkpoint(tmp_path / "short", num_heads=2)
     config = json.loads((tmp_path / "short" / "config.json").read_text()) | {"medusa_num_heads": 3}
     (tmp_path / "short" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="lacks.*not the heads of a 3-head Medusa checkpoint"):
-        Heads.from_pretrained(tmp_path / "short")
+        Drafter.from_pretrained(tmp_path / "short")
     faster_decoding_checkpoint(tmp_path / "wide", base=TINY_BASE)
-    wide = Heads.from_pretrained(tmp_path / "wide")
+    wide = Drafter.from_pretrained(tmp_path / "wide")
     wide.config.hidden_size = 32  # as if trained for a narrower model
     model, tokenizer = mtp.base.load_base(TINY_BASE)
     with pytest.raises(ValueError, match="trained for base model"):

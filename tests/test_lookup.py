@@ -5,7 +5,7 @@ import torch
 
 from mtp.base import load_tokenizer
 from mtp.decoding import Decoder
-from mtp.heads import HEAD_TYPES
+from mtp.drafters import DRAFTERS
 from mtp.lookup import Lookup
 from mtp.tree import LOOKUP, Tree
 from tests.conftest import TINY_BASE
@@ -83,7 +83,7 @@ def test_lookup_that_is_always_right_or_always_wrong_changes_the_passes_never_th
         assert result.accept_lengths == [1] * 39 and result.lookup_accepted == 0
 
 
-@pytest.mark.parametrize("head_type", [None, *HEAD_TYPES])
+@pytest.mark.parametrize("head_type", [None, *DRAFTERS])
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral", "phi3", "gpt_neox"])
 def test_heads_and_lookup_together_give_the_base_models_greedy_output(model_type, head_type, tokenizer):
     model = tiny_model(model_type)

@@ -11,7 +11,7 @@ import mtp
 from mtp.base import load_base
 from mtp.data import HeadsDataModule
 from mtp.drift import drift
-from mtp.heads import Heads
+from mtp.folder import Drafter
 from mtp.module import HeadsModule, Lora
 from tests.conftest import TINY_BASE, TINY_CHAT
 from tests.test_decoding import reference
@@ -177,7 +177,7 @@ def test_adapters_on_the_last_layers_only_train_there_and_round_trip(tmp_path):
 
 def test_training_can_start_from_saved_heads_of_the_same_kind(trained):
     _, root = trained
-    saved = Heads.from_pretrained(root / "heads")
+    saved = Drafter.from_pretrained(root / "heads")
     module = HeadsModule(TINY_BASE, num_heads=2, init_heads=str(root / "heads"), lora=LORA)  # Medusa-2's stage 2
     assert all(torch.equal(module.heads.state_dict()[name], tensor) for name, tensor in saved.state_dict().items())
     with pytest.raises(ValueError, match=r"holds num_heads 2.*this model has num_heads 3.*set the same"):

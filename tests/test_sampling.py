@@ -10,7 +10,8 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 import mtp.batch
 from mtp.decoding import Decoder
-from mtp.heads import HEAD_TYPES, HeadsConfig
+from mtp.drafters import DRAFTERS
+from mtp.folder import HeadsConfig
 from mtp.lookup import Lookup
 from mtp.sampling import Sampling
 from mtp.tree import Tree
@@ -35,7 +36,7 @@ def small_vocab_decoder(seed=0, sliding_window=None, head_type="medusa", lookup=
     with torch.no_grad():
         model.lm_head.weight.mul_(60)  # sharper next-token distributions than a fresh init's near-uniform ones
     config = HeadsConfig(num_heads=3, lm_head="own", head_type=head_type, hidden_size=16, vocab_size=VOCAB)
-    heads = HEAD_TYPES[head_type](config)
+    heads = DRAFTERS[head_type](config)
     for parameter in heads.parameters():
         torch.nn.init.normal_(parameter, std=0.5)
     return Decoder(model, None, heads.eval(), TREE, lookup)

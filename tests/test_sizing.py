@@ -7,7 +7,8 @@ import mtp
 import mtp.sizing
 from mtp.base import load_tokenizer
 from mtp.decoding import Decoder
-from mtp.heads import HEAD_TYPES, MedusaHeads
+from mtp.drafters import DRAFTERS
+from mtp.heads import MedusaHeads
 from mtp.lookup import FULL, Lookup
 from mtp.sizing import BATCH_SIZES, SIZES, held_out_roots, simulate, size_tree, step_costs
 from mtp.tree import Tree, grow_tree, named_tree
@@ -146,7 +147,7 @@ def test_sizing_with_held_out_answers_simulates_each_size_and_saves_the_best_tre
     assert mtp.load(path, lookup=mtp.Lookup((0,))).lookup is None  # the caller can turn it off
 
 
-@pytest.mark.parametrize("head_type", HEAD_TYPES)
+@pytest.mark.parametrize("head_type", DRAFTERS)
 def test_the_simulation_takes_the_steps_that_decoding_takes(head_type):
     """held_out_roots on the tiny model's own greedy answers, then simulate: the same passes and tokens as the
     decoder with those heads, tree and lookup. The random heads guess among the answers' own tokens (a draft

@@ -9,7 +9,9 @@ import torch
 
 import mtp
 from mtp.decoding import Decoder, GenerationResult
-from mtp.heads import HEAD_TYPES, HeadsConfig, MedusaHeads, base_identity
+from mtp.drafters import DRAFTERS
+from mtp.folder import HeadsConfig, base_identity
+from mtp.heads import MedusaHeads
 from tests.conftest import ROOT, TINY_BASE
 from tests.test_decoding import PROMPT, TREE, OracleHeads, reference, tiny_model
 
@@ -118,7 +120,7 @@ def test_generation_fills_the_context_window_exactly_and_no_further(tokenizer):
 def save_random_heads(tmp_path, lm_head="shared", head_type="medusa"):
     model, tokenizer = mtp.base.load_base(TINY_BASE)
     identity = base_identity(TINY_BASE, model, tokenizer)
-    heads = HEAD_TYPES[head_type](HeadsConfig(num_heads=3, lm_head=lm_head, head_type=head_type, **identity))
+    heads = DRAFTERS[head_type](HeadsConfig(num_heads=3, lm_head=lm_head, head_type=head_type, **identity))
     torch.manual_seed(0)
     for parameter in heads.parameters():
         torch.nn.init.normal_(parameter, std=0.3)
@@ -126,7 +128,7 @@ def save_random_heads(tmp_path, lm_head="shared", head_type="medusa"):
     return str(tmp_path / "heads"), model, tokenizer
 
 
-@pytest.mark.parametrize("head_type", HEAD_TYPES)
+@pytest.mark.parametrize("head_type", DRAFTERS)
 def test_load_gives_a_lossless_decoder_for_saved_heads(tmp_path, head_type):
     path, model, tokenizer = save_random_heads(tmp_path, "own", head_type)
     decoder = mtp.load(path, tree="medium")

@@ -1,0 +1,218 @@
+"""The folder a drafter is saved in and loaded from: `config.json` (a `HeadsConfig`: the drafter's kind and shape, the
+identity of the base model it was trained for, what `mtp.sizing` chose) and safetensors parts, with an optional peft
+adapter of the base beside them. `Drafter` is what every kind of drafter shares: the folder, and the checks that
+it fits a base model; `mtp.drafters` registers the kinds by `head_type`."""
+
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from mtp.lookup import MAX_NGRAM
+
+# what a heads folder holds (adapter_*: peft's files of a base adapter trained with the heads)
+HEADS_FILES = ["config.json", "model*.safetensors", "medusa_lm_head.*", "README.md", "adapter_*"]
+SHARD_BYTES = 8_000_000  # weights past this are written in parts (model-00001-of-0000N.safetensors), small files
+
+
+@dataclass
+class HeadsConfig:
+    """Shape of the heads and the identity of the base model they were trained on."""
+
+    num_heads: int = 4
+    """Number of heads; head k predicts the token k+2 positions ahead (`eagle`: the steps unrolled in training,
+    step k predicting what head k does)."""
+    head_type: str = "medusa"
+    """`medusa`: head k reads the base model's hidden state at t; `hydra`: also the input embeddings of the tokens
+    t+1 .. t+k+1 (the candidate path when decoding): sequentially dependent heads; `eagle`: a decoder layer over the
+    base model's features at `feature_layers` (see `mtp.eagle`)."""
+    num_layers: int = 1
+    """Residual blocks per head."""
+    lm_head: str = "shared"
+    """`shared`: project with the base model's frozen lm_head (no extra parameters); `own`: a trainable copy."""
+    base_model: str = ""
+    """Name the base model was loaded by (see `mtp.base.load_base`)."""
+    hidden_size: int = 0
+    vocab_size: int = 0
+    tokenizer_fingerprint: str = ""
+    """sha256 (first 16 hex digits) of the base tokenizer's sorted vocabulary ("": unknown, for heads imported
+    from a FasterDecoding Medusa checkpoint; then only the sizes are checked)."""
+    calibration: list[list[float]] | None = None
+    """calibration[k][r]: fraction of held-out positions where head k's rank-r guess (r from 0) was the token
+    (measured by the last validation run of training); the tree search starts from it."""
+    tree: list[list[int]] | None = None
+    """Paths of the decoding tree chosen for these heads (see `mtp.tree`); None: the default named tree."""
+    lookup: list[int] = field(default_factory=list)
+    """Prompt-lookup tokens verified beside the tree after a match of 1, 2, ... tokens (`mtp.lookup.Lookup`'s
+    lengths), chosen with the tree by `mtp.sizing`; empty: none."""
+    batch_trees: list[dict] = field(default_factory=list)
+    """Trees and lookups for steps over several prompts at once, chosen by `mtp.sizing`: each {"rows": B, "tree":
+    paths, "lookup": lengths} holds for steps over B or more rows (up to the next entry's B); empty: `tree` and
+    `lookup` for every step."""
+    adapter: bool = False
+    """The folder also holds a LoRA adapter of the base model trained with the heads (peft's `adapter_config.json`
+    and `adapter_model.safetensors`): decoding merges it into the base, and the output is the adapted model's."""
+    base_weights: str = ""
+    """With an adapter: `weights_fingerprint` of the base it was trained on (an adapter fits those weights only)."""
+    draft_vocab: list[int] | None = None
+    """Token ids the heads' guesses are drawn from when decoding (the most frequent target tokens of the
+    training data): each head's projection then scores these rows only. None: the whole vocabulary."""
+    feature_layers: list[int] = field(default_factory=list)
+    """For a drafter that reads the base model's features (`eagle`): the indices of the hidden states it reads
+    (as transformers' `output_hidden_states` counts them: 0 the input embeddings, i the output of decoder layer
+    i - 1, as vLLM and SGLang count EAGLE-3's layer ids), fused by its `fc`."""
+    draft_layer: dict = field(default_factory=dict)
+    """For `eagle`: the shape of its decoder layer (a `LlamaConfig`'s fields, copied from the base model)."""
+
+    def __post_init__(self):
+        if self.num_heads < 1:
+            raise ValueError(f"num_heads={self.num_heads}: need at least 1 head.")
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers={self.num_layers}: need at least 1 residual block per head.")
+        from mtp.drafters import DRAFTERS  # the registry imports the drafters, which import this module
+
+        if self.head_type not in DRAFTERS:
+            raise ValueError(f"head_type={self.head_type!r}: choose one of {sorted(DRAFTERS)}.")
+        if self.lm_head not in ("shared", "own"):
+            raise ValueError(f"lm_head={self.lm_head!r}: choose 'shared' (the base's frozen lm_head) or 'own'.")
+        if isinstance(self.lookup, int):  # heads sized before lookup lengths depended on the match
+            self.lookup = [self.lookup] * MAX_NGRAM if self.lookup else []
+
+    def identity(self) -> str:
+        return (
+            f"{self.base_model!r} (hidden {self.hidden_size}, vocab {self.vocab_size}, "
+            f"tokenizer {self.tokenizer_fingerprint})"
+        )
+
+
+def base_identity(name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> dict:
+    """The fields of `HeadsConfig` that pin the base model."""
+    vocab_size, hidden_size = model.get_output_embeddings().weight.shape
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+    fingerprint = hashlib.sha256(vocab.encode()).hexdigest()[:16]
+    return dict(base_model=name, hidden_size=hidden_size, vocab_size=vocab_size, tokenizer_fingerprint=fingerprint)
+
+
+def weights_fingerprint(model: PreTrainedModel) -> str:
+    """sha256 (first 16 hex digits) of a strided sample of every weight of `model` (4,096 values per tensor at
+    most), rounded to bfloat16: the same whether the weights were loaded in float32 or bfloat16 (float16 rounds
+    them otherwise)."""
+    digest = hashlib.sha256()
+    for name, weight in sorted(model.named_parameters()):
+        flat = weight.detach().flatten()
+        sample = flat[:: max(len(flat) // 4096, 1)].to("cpu", torch.bfloat16)
+        digest.update(name.encode() + sample.view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def is_repo_id(name: str) -> bool:
+    """`owner/name`: a Hub repository id rather than a path (a missing local folder is never fetched)."""
+    return re.fullmatch(r"[\w.-]+/[\w.-]+", name) is not None and not name.startswith((".", "/"))
+
+
+def from_hub(repo_id: str) -> Path:
+    """The local copy of the heads in Hub repository `repo_id` (downloaded once into the Hub cache)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HEADS_FILES))
+    except Exception as error:  # offline, a missing repository, no access: one message says which and what to do
+        raise FileNotFoundError(
+            f"{repo_id!r} is not a local folder, and the Hub repository of that name could not be fetched "
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}): give a folder of heads, "
+            f"or check the id and the network."
+        ) from error
+
+
+class Drafter(nn.Module):
+    """A drafter's weights and its `config`; `folder` is where it was loaded from (None for a new one)."""
+
+    config: HeadsConfig
+    folder: Path | None = None
+
+    def set_draft_vocab(self, ids: list[int], base_model: PreTrainedModel) -> None:
+        """Guess among the token ids `ids` only, from now on (in training and decoding)."""
+        self.config.draft_vocab = ids
+
+    def check_base(self, name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+        """Raise if these heads were trained for a base other than (model, tokenizer)."""
+        other = HeadsConfig(**{**asdict(self.config), **base_identity(name, model, tokenizer)})
+        pinned = ("hidden_size", "vocab_size") + (
+            ("tokenizer_fingerprint",) if self.config.tokenizer_fingerprint else ()
+        )
+        if any(getattr(self.config, field) != getattr(other, field) for field in pinned):
+            raise ValueError(
+                f"These heads were trained for base model {self.config.identity()}, not for {other.identity()}: "
+                f"load them with the base they were trained for, or train heads for this base."
+            )
+        if self.config.adapter and (found := weights_fingerprint(model)) != self.config.base_weights:
+            hint = " (in float16 the weights round otherwise: load it in float32 or bfloat16)"
+            raise ValueError(
+                f"These heads' adapter was trained on the weights of {self.config.base_model!r} (fingerprint "
+                f"{self.config.base_weights}), not on those of {name!r} (fingerprint {found})"
+                f"{hint if model.dtype == torch.float16 else ''}: load them with the base they were trained on."
+            )
+
+    def adapt(self, model: PreTrainedModel) -> PreTrainedModel:
+        """`model` (the base, checked by `check_base`) with the adapter trained beside these heads merged into its
+        weights, the verifier these heads decode with; `model` itself if they have none."""
+        if not self.config.adapter:
+            return model
+        from peft import PeftModel
+
+        return PeftModel.from_pretrained(model, self.folder).merge_and_unload()
+
+    def save_config(self, folder: str | Path) -> None:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(asdict(self.config), indent=2) + "\n")
+
+    def save_pretrained(self, folder: str | Path, dtype: torch.dtype | None = None) -> None:
+        """Write `config.json` and the weights (heads only, never base weights), in `dtype` if given (bfloat16 halves
+        them; loading casts them back to the heads' own dtype): `model.safetensors`, or parts of at most
+        SHARD_BYTES each when they are larger (`model-00001-of-00002.safetensors`, ...)."""
+        self.save_config(folder)
+        parts, size = [{}], 0
+        for name, tensor in self.state_dict().items():
+            tensor = tensor.to(dtype or tensor.dtype).contiguous()
+            if parts[-1] and size + tensor.nbytes > SHARD_BYTES:
+                parts, size = [*parts, {}], 0
+            parts[-1][name], size = tensor, size + tensor.nbytes
+        for old in Path(folder).glob("model*.safetensors"):  # a rewrite leaves no stale part behind
+            old.unlink()
+        for i, part in enumerate(parts, 1):
+            name = "model.safetensors" if len(parts) == 1 else f"model-{i:05d}-of-{len(parts):05d}.safetensors"
+            save_file(part, Path(folder) / name)
+
+    @staticmethod
+    def from_pretrained(folder: str | Path) -> "Drafter":
+        """Heads saved by `save_pretrained`, of the kind their config names (`head_type`), or a FasterDecoding
+        Medusa checkpoint (see `mtp.heads.MedusaHeads.from_faster_decoding`); `folder` may also be a Hub repository
+        id that holds one."""
+        folder = Path(folder) if Path(folder).is_dir() or not is_repo_id(str(folder)) else from_hub(str(folder))
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"{folder / 'config.json'} does not exist: point at a folder of heads.")
+        raw = json.loads((folder / "config.json").read_text())
+        from mtp.drafters import DRAFTERS
+
+        if "medusa_num_heads" in raw:
+            return DRAFTERS["medusa"].from_faster_decoding(folder, raw)
+        files = sorted(folder.glob("model*.safetensors"))
+        if not files:
+            raise FileNotFoundError(
+                f"{folder / 'model.safetensors'} does not exist: point at a folder written by save_pretrained."
+            )
+        unknown = set(raw) - {field.name for field in fields(HeadsConfig)}
+        if unknown:
+            raise ValueError(f"{folder / 'config.json'} has unknown keys {sorted(unknown)}: not a heads folder?")
+        config = HeadsConfig(**raw)
+        heads = DRAFTERS[config.head_type](config)
+        heads.folder = folder
+        heads.load_state_dict({name: tensor for file in files for name, tensor in load_file(file).items()})
+        return heads
