@@ -1,5 +1,6 @@
-"""Heads side by side on the same held-out answers: per-head top-1 / top-5 (teacher forcing, the training
-module's own validation step) and the expected tau of the tree grown from those rank accuracies at 4 .. 64
+"""Drafters side by side on the same held-out answers: per-head (per-depth) top-1 / top-5 (teacher forcing, the
+training module's own validation step; a feature-level drafter unrolled to --depths on its own features) and the
+expected tau of the tree grown from those rank accuracies at 4 .. 64
 nodes (see `mtp.sizing`). The held-out prompts are those a training run with the same data, val_fraction and
 seed held out.
 
@@ -21,13 +22,15 @@ from mtp.tree import grow_tree
 SIZES = (4, 8, 16, 32, 64)
 
 
-def rank_accuracy(heads_path: str, data: HeadsDataModule) -> torch.Tensor:
-    """(K, RANKS): how often head k's rank-r guess is the target, over `data`'s validation answers."""
+def rank_accuracy(heads_path: str, data: HeadsDataModule, depths: int) -> torch.Tensor:
+    """(K, RANKS): how often head k's rank-r guess is the target, over `data`'s validation answers; a drafter that
+    drafts as deep as asked (`eagle`) is scored at `depths` depths."""
     heads = Drafter.from_pretrained(heads_path)
     config = heads.config
-    module = HeadsModule(
-        config.base_model, config.num_heads, config.num_layers, config.lm_head, head_type=config.head_type
-    )
+    if heads.max_depth is None:
+        config.num_heads = depths
+    module = HeadsModule(config.base_model, config.num_heads, config.num_layers, config.lm_head,
+                         head_type=config.head_type, feature_layers=config.feature_layers or None)  # fmt: skip
     heads.check_base(config.base_model, module.base_model, load_tokenizer(config.base_model))
     module.heads = heads  # its draft vocabulary, if any, comes with its config
     L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False).validate(
@@ -39,10 +42,12 @@ def rank_accuracy(heads_path: str, data: HeadsDataModule) -> torch.Tensor:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", nargs="+", required=True, help="heads folders")
+    parser.add_argument("--depths", type=int, default=5, help="depths a feature-level drafter is scored at")
     add_held_out_arguments(parser)
     args = parser.parse_args()
-    first = Drafter.from_pretrained(args.heads[0]).config
-    base, num_heads = first.base_model, first.num_heads
+    drafters = [Drafter.from_pretrained(path) for path in args.heads]
+    base = drafters[0].config.base_model
+    num_heads = max(args.depths if d.max_depth is None else d.config.num_heads for d in drafters)
     data = held_out(args, base)
     tokens = sum(int(mask.sum()) for _, mask, _ in data.val_examples)
     print(f"{len(data.val_examples)} held-out answers, {tokens} answer tokens")
@@ -50,9 +55,9 @@ def main() -> None:
           + " | ".join(f"tau @ {n}" for n in SIZES) + " |")  # fmt: skip
     print("| --- " * (1 + num_heads + len(SIZES)) + "|")
     for path in args.heads:
-        accuracy = rank_accuracy(path, data)
+        accuracy = rank_accuracy(path, data, args.depths)
         _, expected = grow_tree(accuracy.tolist(), max(SIZES))
-        heads = " | ".join(f"{a[0]:.3f} / {a[:5].sum():.3f}" for a in accuracy)
+        heads = " | ".join([f"{a[0]:.3f} / {a[:5].sum():.3f}" for a in accuracy] + ["-"] * (num_heads - len(accuracy)))
         print(f"| {path} | {heads} | " + " | ".join(f"{expected[n - 1]:.2f}" for n in SIZES) + " |")
 
 

@@ -8,18 +8,16 @@ at once; a row leaves as soon as its caller says it is done, and costs nothing a
 
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch.profiler import record_function
 from transformers import DynamicCache
 
 from mtp.cache import append_rows, grouped_keys, keep_accepted, keep_rows, tree_attention_mask
+from mtp.drafting import Proposer
 from mtp.sampling import Sampling, accept_exact, accept_typical, draw
-from mtp.tree import LOOKUP, Tree
-
-if TYPE_CHECKING:
-    from mtp.decoding import Decoder
+from mtp.target import Target
+from mtp.tree import Tree
 
 
 @dataclass
@@ -30,12 +28,8 @@ class Row:
     """Positions cached: the prompt and the tokens accepted so far. The next tree's root sits here."""
     root: int
     """The last settled token, not cached yet: the root of the next tree."""
-    hidden: torch.Tensor
-    """(H,) the base model's last hidden state at the last cached position."""
     max_length: int
     """The row ends at this length (prompt and new tokens): no node is placed at max_length - 1 or later."""
-    sequence: torch.Tensor | None
-    """(T,) the prompt and every settled token, for prompt lookup (None without it)."""
 
     @property
     def room(self) -> int:
@@ -55,17 +49,28 @@ def accept_greedy(tokens: torch.Tensor, predictions: torch.Tensor, paths: torch.
     return nodes, int(predictions[nodes[-1]])
 
 
-class Batch:
-    """The rows decoded together by `decoder`, their shared cache and the sampling settings (one generator for
-    all rows: each row's tokens are drawn from its own distributions, whatever the other rows draw)."""
+def accept(tree: Tree, tokens: torch.Tensor, logits: torch.Tensor, sampling: Sampling, generator):
+    """The accepted nodes (A+1,) of one row's tree holding `tokens` (N+1,), root first, and the bonus token, by
+    the base model's `logits` (N+1, V) after each node: greedy, exact or typical acceptance (see `mtp.sampling`)."""
+    if sampling.greedy:
+        return accept_greedy(tokens, logits.argmax(-1), tree.retrieve)
+    if sampling.acceptance == "exact":
+        return accept_exact(tokens.cpu(), tree.children, logits, sampling, generator)
+    return accept_typical(tokens, tree.retrieve, logits, sampling, generator)
 
-    def __init__(self, decoder: "Decoder", sampling: Sampling):
-        self.decoder, self.sampling, self.generator = decoder, sampling, sampling.generator()
-        self.backbone = decoder.base_model.get_decoder()
-        self.device = decoder.base_model.device
+
+class Batch:
+    """The rows decoded together: the target model's shared cache, the drafters' states (`proposers`, each
+    step in turn: see `mtp.drafting`) and the sampling settings (one generator for all rows: each row's tokens are
+    drawn from its own distributions, whatever the other rows draw)."""
+
+    def __init__(self, target: Target, proposers: list[Proposer], sampling: Sampling):
+        self.target, self.proposers, self.sampling, self.generator = target, proposers, sampling, sampling.generator()
+        self.device = target.device
         self.rows: list[Row] = []
         self.cache, self.slots = DynamicCache(), None  # slots (B, T): see mtp.cache
-        self.uses_lookup = any(lookup for _, lookup in decoder.plans.values())  # rows keep their text for it
+        self.layers = any(proposer.layers for proposer in proposers)  # a drafter reads more than the last states
+        self.root = Tree.from_paths([]).to(self.device)  # every step's tree before the drafters propose
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -75,8 +80,8 @@ class Batch:
         """Prefill the prompt `input_ids` (1, T) alone and add it as the last row; returns its first new token.
         `max_length`: the row ends at this length (default: the model's context window)."""
         cache = DynamicCache()  # every position on every layer: see mtp.cache
-        hidden = self.backbone(input_ids=input_ids.to(self.device), cache=cache, use_cache=True).last_hidden_state
-        logits = self.decoder.logits(hidden[0, -1])  # (V,)
+        states = self.target.run(self.layers, input_ids=input_ids.to(self.device), cache=cache)
+        logits = self.target.logits(states.last[0, -1])  # (V,)
         if self.sampling.greedy:
             root = int(logits.argmax())
         else:
@@ -86,9 +91,10 @@ class Batch:
             self.slots = append_rows(self.cache, self.slots, cache, slots)
         else:
             self.cache, self.slots = cache, slots
-        sequence = torch.cat([input_ids[0].cpu(), torch.tensor([root])]) if self.uses_lookup else None
-        max_length = max_length or self.decoder.context or sys.maxsize
-        self.rows.append(Row(input_ids.shape[1], root, hidden[0, -1], max_length, sequence))
+        for proposer in self.proposers:
+            proposer.add(input_ids[0], states, root)
+        max_length = max_length or self.target.context or sys.maxsize
+        self.rows.append(Row(input_ids.shape[1], root, max_length))
         return root
 
     def keep(self, rows: list[bool]) -> None:
@@ -96,32 +102,28 @@ class Batch:
         if all(rows):
             return
         self.rows = [row for row, kept in zip(self.rows, rows, strict=True) if kept]
+        for proposer in self.proposers:
+            proposer.keep(rows)
         if self.rows:
             self.slots = keep_rows(self.cache, self.slots, torch.tensor(rows, device=self.device))
         else:
             self.cache, self.slots = DynamicCache(), None
 
-    def _draft(self) -> tuple[list[Tree], list[torch.Tensor]]:
-        """Each row's tree and its tokens (N_b+1,): the heads' tree of the decoder's plan for this many rows, cut
-        to the room of the row with the least, with the row's prompt-lookup chain grafted on."""
-        decoder = self.decoder
-        tree, lookup = decoder.plan(len(self.rows), min(row.room for row in self.rows))
-        tokens = torch.tensor([[row.root] for row in self.rows], device=self.device)  # (B, 1) the roots
-        if tree.size > 1:  # (B, N+1) the roots and the heads' guesses
-            hidden = torch.stack([row.hidden for row in self.rows])  # (B, H)
-            tokens = decoder.heads.tree_tokens(hidden, tokens, tree, decoder.lm_head, decoder.embed, tree.top_k)
-        if lookup is None:
-            return [tree] * len(self.rows), list(tokens)
-        chains = [lookup.propose(row.sequence)[: row.room] for row in self.rows]
-        grafts = [tree.graft(row_tokens, chain) for row_tokens, chain in zip(tokens, chains, strict=True)]
-        return [grafted for grafted, _ in grafts], [row_tokens for _, row_tokens in grafts]
+    def propose(self) -> tuple[list[Tree], list[torch.Tensor]]:
+        """Each row's tree and its tokens (N_b+1,): every drafter's candidates in turn, none past the row's room."""
+        trees = [self.root] * len(self.rows)
+        tokens = [torch.tensor([row.root], device=self.device) for row in self.rows]
+        rooms = [row.room for row in self.rows]
+        for source, proposer in enumerate(self.proposers):
+            trees, tokens = proposer.propose(trees, tokens, rooms, source)
+        return trees, tokens
 
     @torch.no_grad()
-    def step(self) -> list[tuple[list[int], int]]:
+    def step(self) -> list[tuple[list[int], dict[str, int]]]:
         """One verification pass over every row's tree: per row, the tokens it settles (the accepted candidates
-        and the bonus token) and how many of them prompt lookup alone proposed."""
-        with record_function("mtp.candidates"):  # the heads' guesses (and lookup's) laid out on each row's tree
-            trees, tokens = self._draft()
+        and the bonus token) and how many of its accepted candidates each drafter proposed, by name."""
+        with record_function("mtp.candidates"):  # the drafters' guesses laid out on each row's tree
+            trees, tokens = self.propose()
             size = max(tree.size for tree in trees)  # rows with smaller trees are padded with nodes seen by none
             batch = torch.zeros(len(trees), size, dtype=torch.long, device=self.device)  # (B, Q) tokens
             depths = torch.zeros_like(batch)  # (B, Q)
@@ -131,36 +133,27 @@ class Batch:
                 mask[b, : tree.size, : tree.size] = tree.mask
             prefix_lens = torch.tensor([row.prefix_len for row in self.rows], device=self.device)  # (B,)
             positions = prefix_lens[:, None] + depths  # (B, Q) a node sits at its depth past its row's root
-            dtype = self.decoder.base_model.dtype
-            attention = tree_attention_mask(mask, positions, self.slots, self.decoder.windows, dtype)
+            attention = tree_attention_mask(mask, positions, self.slots, self.target.windows, self.target.dtype)
         with record_function("mtp.verify"), grouped_keys(self.device.type == "cpu" and size > 1):  # one base pass
-            hidden = self.backbone(
-                input_ids=batch, position_ids=positions, attention_mask=attention, cache=self.cache, use_cache=True
-            ).last_hidden_state  # (B, Q, H)
+            states = self.target.run(self.layers, input_ids=batch, position_ids=positions, attention_mask=attention,
+                                     cache=self.cache)  # fmt: skip
         with record_function("mtp.accept"):
-            logits = self.decoder.logits(hidden)  # (B, Q, V) the base model's next-token logits after each node
-            predictions = logits.argmax(-1) if self.sampling.greedy else None  # (B, Q)
-            accepted = []
-            for b, (tree, row_tokens) in enumerate(zip(trees, tokens, strict=True)):
-                row_logits = logits[b, : tree.size]  # (N_b+1, V)
-                if self.sampling.greedy:
-                    nodes, root = accept_greedy(row_tokens, predictions[b, : tree.size], tree.retrieve)
-                elif self.sampling.acceptance == "exact":
-                    nodes, root = accept_exact(row_tokens.cpu(), tree.children, row_logits, self.sampling,
-                                               self.generator)  # fmt: skip
-                else:
-                    nodes, root = accept_typical(row_tokens, tree.retrieve, row_logits, self.sampling, self.generator)
-                accepted.append((torch.as_tensor(nodes, device=self.device), root))  # (A_b+1,) root and candidates
+            logits = self.target.logits(states.last)  # (B, Q, V) the base model's next-token logits after each node
+            accepted = [
+                accept(tree, row_tokens, logits[b, : tree.size], self.sampling, self.generator)
+                for b, (tree, row_tokens) in enumerate(zip(trees, tokens, strict=True))
+            ]
+            nodes = [torch.as_tensor(row_nodes, device=self.device) for row_nodes, _ in accepted]  # (A_b+1,) each
         with record_function("mtp.cache"):
-            self.slots = keep_accepted(self.cache, self.slots, [nodes for nodes, _ in accepted], prefix_lens)
-        settled = []
-        for b, (row, (nodes, root)) in enumerate(zip(self.rows, accepted, strict=True)):
-            tree, row_tokens = trees[b], tokens[b]
-            row.prefix_len, row.root, row.hidden = row.prefix_len + len(nodes), root, hidden[b, nodes[-1]]
-            tokens_settled = row_tokens[nodes[1:]].tolist() + [root]
-            if row.sequence is None:  # no lookup: nothing of it to count or to keep
-                settled.append((tokens_settled, 0))
-                continue
-            settled.append((tokens_settled, int((tree.ranks[nodes] == LOOKUP).sum())))
-            row.sequence = torch.cat([row.sequence, torch.tensor(tokens_settled)])
-        return settled
+            self.slots = keep_accepted(self.cache, self.slots, nodes, prefix_lens)
+        settled = [row_tokens[row_nodes[1:]].tolist() + [root] for row_tokens, row_nodes, (_, root)
+                   in zip(tokens, nodes, accepted, strict=True)]  # fmt: skip
+        with record_function("mtp.drafters"):
+            for proposer in self.proposers:
+                proposer.accept(states, nodes, settled)
+        results = []
+        for row, tree, row_nodes, row_settled in zip(self.rows, trees, nodes, settled, strict=True):
+            row.prefix_len, row.root = row.prefix_len + len(row_nodes), row_settled[-1]
+            sources = tree.sources[row_nodes[1:]].tolist()
+            results.append((row_settled, {p.name: sources.count(i) for i, p in enumerate(self.proposers)}))
+        return results

@@ -1,8 +1,8 @@
-"""Benchmark mtp against the fastest plain decoder and Hugging Face prompt-lookup decoding (and, when mtp's own
-prompt lookup is on, against mtp with its heads alone), interleaved prompt by prompt in one process: tau,
-tokens/s, speedups and the accepted candidates that came from the heads and from lookup, per category; when
-greedy, a check that every mtp output equals plain `generate`'s. With --temperature > 0 all sample (the same
-temperature, top-k and top-p).
+"""Benchmark mtp against the fastest plain decoder and Hugging Face prompt-lookup decoding (when mtp's own prompt
+lookup is on, against mtp with its heads alone too; with --against, against another drafter), interleaved prompt
+by prompt in one process: tau, tokens/s, speedups and the accepted candidates that came from the heads and from
+lookup, per category; when greedy, a check that every mtp output equals plain `generate`'s. With --temperature > 0
+all sample (the same temperature, top-k and top-p).
 
 Plain decoding is timed twice over when the products mtp measured fastest for one row (`mtp.linears`) are not the
 usual ones: `plain`, `generate` as users run it, and `plain_fast`, `generate` with mtp's products; `vs fastest
@@ -35,7 +35,8 @@ from mtp.rows import read_rows
 from mtp.sampling import Sampling, add_sampling_arguments, sampling_from
 from mtp.tree import NAMED_TREES
 
-METHODS = ("plain", "plain_fast", "lookup", "heads", "mtp")  # heads: mtp without its prompt lookup, when that is on
+# heads: mtp without its prompt lookup, when that is on; other_drafter: mtp with the drafter of --against
+METHODS = ("plain", "plain_fast", "lookup", "heads", "other_drafter", "mtp")
 PLAIN = ("plain", "plain_fast")  # plain `generate` with the usual products, and with mtp's (when they differ)
 
 
@@ -76,7 +77,15 @@ def summarise(rows: list[dict]) -> dict:
         "speedup_vs_fastest_plain": speed["mtp"] / max(speed[name] for name in PLAIN if name in speed),
         "accepted_from_heads": candidates - from_lookup, "accepted_from_lookup": from_lookup,
         "mismatches": None if rows[0]["matches_plain"] is None else sum(not row["matches_plain"] for row in rows),
-    }  # fmt: skip
+    } | (other_drafter(rows) if "other_drafter_passes" in rows[0] else {})  # fmt: skip
+
+
+def other_drafter(rows: list[dict]) -> dict:
+    """The tau and mismatches of the drafter of --against."""
+    passes = sum(row["other_drafter_passes"] for row in rows)
+    matches = [row["other_drafter_matches_plain"] for row in rows]
+    return {"other_drafter_tau": sum(row["other_drafter_tokens"] for row in rows) / max(passes, 1),
+            "other_drafter_mismatches": None if matches[0] is None else matches.count(False)}  # fmt: skip
 
 
 def markdown(summary: dict[str, dict]) -> str:
@@ -158,6 +167,9 @@ def batch_markdown(rows: list[dict], questions: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", required=True)
+    parser.add_argument("--against", metavar="HEADS",
+                        help="also decode with this drafter folder (for the same base, with its own saved tree and "
+                        "lookup), interleaved in the same run: `other drafter`")  # fmt: skip
     parser.add_argument("--questions", required=True, help="JSON lines with `turns` (first turn used) or `prompt`")
     parser.add_argument("--limit", type=int, help="the first N questions, spread over categories in file order")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -183,6 +195,7 @@ def main() -> None:
     decoder = mtp.load(args.heads, args.device, getattr(torch, args.dtype), tree=args.tree, lookup=lookup_from(args))
     alone = decoder.lookup and not args.batch_size  # mtp with its heads alone, beside mtp with its lookup
     heads_alone = alone and Decoder(decoder.base_model, decoder.tokenizer, decoder.heads, decoder.tree)
+    other = args.against and mtp.load(args.against, args.device, getattr(torch, args.dtype))
     model = decoder.base_model
     questions = read_rows(args.questions)
     if args.limit:  # round-robin over categories, so a small limit still covers them all
@@ -195,8 +208,9 @@ def main() -> None:
         decoder.check_length(decoder.encode(messages).shape[1], args.max_new_tokens)
     warm_up = [{"role": "user", "content": "Hello"}]
     decoder.generate(warm_up, max_new_tokens=8, sampling=sampling)
-    if heads_alone:
-        heads_alone.generate(warm_up, max_new_tokens=8, sampling=sampling)
+    for extra in (heads_alone, other):
+        if extra:
+            extra.generate(warm_up, max_new_tokens=8, sampling=sampling)
     plain_fast = 1 in narrow_counts(model)  # else plain generate with mtp's products is plain generate itself
     timed_generate(model, [decoder.encode(warm_up).to(args.device)], 8, sampling, prompt_lookup_num_tokens=10)
     timed_generate(model, [decoder.encode(warm_up).to(args.device)], 8, sampling)
@@ -237,6 +251,14 @@ def main() -> None:
         if heads_alone:
             alone = heads_alone.generate(messages, max_new_tokens=args.max_new_tokens, sampling=sampling)
             rows[-1] |= {"heads_tokens": len(alone.token_ids), "heads_seconds": alone.seconds}
+        if other:
+            theirs = other.generate(messages, max_new_tokens=args.max_new_tokens, sampling=sampling)
+            rows[-1] |= {
+                "other_drafter_tokens": len(theirs.token_ids),
+                "other_drafter_seconds": theirs.seconds,
+                "other_drafter_passes": theirs.forward_passes,
+                "other_drafter_matches_plain": theirs.token_ids == plain if sampling.greedy else None,
+            }
     summary = {
         c: summarise([r for r in rows if r["category"] == c]) for c in dict.fromkeys(r["category"] for r in rows)
     }

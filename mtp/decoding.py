@@ -10,10 +10,10 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from mtp.batch import Batch
-from mtp.cache import attention_windows
 from mtp.folder import Drafter
-from mtp.lookup import Lookup
+from mtp.lookup import Lookup, LookupProposer
 from mtp.sampling import GREEDY, Sampling
+from mtp.target import Target
 from mtp.tree import Tree
 
 
@@ -35,9 +35,15 @@ class GenerationResult:
     forward_passes: int = 0
     accept_lengths: list[int] = field(default_factory=list)
     """Tokens accepted per verification pass, the bonus token included."""
-    lookup_accepted: int = 0
-    """Accepted candidates that prompt lookup proposed and no head did (the rest of the candidates are the heads')."""
+    accepted_by: dict[str, int] = field(default_factory=dict)
+    """Accepted candidates by the drafter that proposed them (`heads`, `eagle`, `lookup`): a candidate that two
+    drafters proposed counts for the first."""
     seconds: float = 0.0
+
+    @property
+    def lookup_accepted(self) -> int:
+        """Accepted candidates that prompt lookup proposed and no other drafter did."""
+        return self.accepted_by.get("lookup", 0)
 
     @property
     def tau(self) -> float:
@@ -67,32 +73,27 @@ class Decoder:
         lookup: Lookup | None = None,
         batch_trees: dict[int, tuple[Tree, Lookup | None]] | None = None,
     ):
-        if base_model.config._attn_implementation not in ("eager", "sdpa"):
-            raise ValueError(
-                f"Attention implementation {base_model.config._attn_implementation!r} of "
-                f"{base_model.config.model_type} takes no custom 4D tree mask: load it with attn_implementation='sdpa'."
-            )
+        self.target = Target(base_model)
         self.base_model, self.tokenizer, self.heads = base_model, tokenizer, heads
         if any(rows < 2 for rows in batch_trees or {}):
             raise ValueError(f"batch_trees for {sorted(batch_trees)} rows: give batch sizes of 2 or more.")
         self.plans = {}  # rows -> (tree, lookup or None) of a step over at least that many rows
         for rows, (plan_tree, plan_lookup) in ({1: (tree, lookup)} | (batch_trees or {})).items():
             plan_tree = plan_tree if heads is not None and plan_tree is not None else Tree.from_paths([])
-            if plan_tree.size > 1:  # check the depth fits the heads
-                Tree.from_paths(plan_tree.paths, num_heads=heads.config.num_heads)
+            if plan_tree.size > 1 and heads.max_depth is not None:  # check the depth fits the heads
+                Tree.from_paths(plan_tree.paths, num_heads=heads.max_depth)
             self.plans[rows] = plan_tree, plan_lookup if plan_lookup is not None and plan_lookup.reach else None
         self.tree, self.lookup = self.plans[1]
-        eos = base_model.generation_config.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        self.lm_head, self.embed = base_model.get_output_embeddings(), base_model.get_input_embeddings()
-        self.windows = attention_windows(base_model.config)
-        self.context = getattr(base_model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-        self.softcap = getattr(base_model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
-        # RoPE that picks its frequencies from the highest position of a pass: one row would change another's
-        rope = getattr(base_model.config.get_text_config(decoder=True), "rope_parameters", None) or {}
-        kinds = {p.get("rope_type") for p in ([rope] if "rope_type" in rope else rope.values()) if isinstance(p, dict)}
-        self.length_dependent_rope = sorted(k for k in kinds if k and ("dynamic" in k or k == "longrope"))
-        self._trees: dict[tuple[int, int], Tree] = {}  # each plan's tree cut at each depth, on the model's device
+        self.eos_ids, self.context = self.target.eos_ids, self.target.context
+
+    def batch(self, sampling: Sampling = GREEDY) -> Batch:
+        """An empty batch of rows to decode with this decoder's drafters (see `mtp.batch`)."""
+        proposers = []
+        if self.heads is not None:
+            proposers.append(self.heads.proposer(self.target, {rows: tree for rows, (tree, _) in self.plans.items()}))
+        if any(lookup for _, lookup in self.plans.values()):
+            proposers.append(LookupProposer({rows: lookup for rows, (_, lookup) in self.plans.items()}))
+        return Batch(self.target, proposers, sampling)
 
     def encode(self, prompt: str | list[dict]) -> torch.Tensor:
         """Prompt ids (1, T): chat messages go through the chat template, a string is taken as it is."""
@@ -109,23 +110,6 @@ class Decoder:
                 f"The prompt has {ids.shape[1]} tokens, but the model's context window is {self.context}: shorten it."
             )
         return ids
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The base model's next-token logits (..., V) from its last hidden states (..., H)."""
-        logits = self.lm_head(hidden)
-        if self.softcap:  # Gemma-2's final soft cap, as the model's own forward applies it
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
-
-    def plan(self, rows: int, depth: int) -> tuple[Tree, Lookup | None]:
-        """The tree (without nodes deeper than `depth`, on the model's device) and lookup of a step over `rows`
-        rows: those for the largest batch size in `plans` up to `rows`."""
-        batch = max(b for b in self.plans if b <= rows)
-        tree, lookup = self.plans[batch]
-        depth = min(depth, tree.depth)
-        if (batch, depth) not in self._trees:
-            self._trees[batch, depth] = tree.within(depth).to(self.base_model.device)
-        return self._trees[batch, depth], lookup
 
     def check_length(self, prompt_len: int, max_new_tokens: int) -> int:
         """prompt_len + max_new_tokens, once checked: max_new_tokens >= 0, and the sum within the context window."""
@@ -144,11 +128,11 @@ class Decoder:
         self, input_ids: torch.Tensor, sampling: Sampling = GREEDY, max_length: int | None = None
     ) -> Iterator[tuple[list[int], int]]:
         """Yield the tokens each pass settles (the prefill's first token, then per step the accepted candidates
-        and the bonus token) and how many of them prompt lookup alone proposed: the batch of one prompt,
+        and the bonus token) and how many of them each drafter proposed (by name): the batch of one prompt,
         input_ids (1, T), ending at `max_length` (default: the model's context window). Runs until the caller
         stops."""
-        batch = Batch(self, sampling)
-        yield [batch.add(input_ids, max_length)], 0
+        batch = self.batch(sampling)
+        yield [batch.add(input_ids, max_length)], {}
         while True:
             yield batch.step()[0]
 
@@ -204,11 +188,11 @@ class Decoder:
         """Decode `prompts`, at most `batch_size` at a time, filling `results`; yield (prompt index, new text)."""
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size}: decode at least 1 prompt at a time.")
-        if batch_size > 1 and len(prompts) > 1 and self.length_dependent_rope:
+        if batch_size > 1 and len(prompts) > 1 and self.target.length_dependent_rope:
             raise ValueError(
-                f"{self.base_model.config.model_type} uses rope_type {self.length_dependent_rope}, whose frequencies "
-                "follow the longest position of a pass, so in a batch one prompt's length would change another's "
-                "output: decode these prompts with batch_size=1."
+                f"{self.base_model.config.model_type} uses rope_type {self.target.length_dependent_rope}, whose "
+                "frequencies follow the longest position of a pass, so in a batch one prompt's length would change "
+                "another's output: decode these prompts with batch_size=1."
             )
         encoded, max_lengths = [], []
         for i, prompt in enumerate(prompts):  # every prompt checked before any work
@@ -220,16 +204,16 @@ class Decoder:
         if max_new_tokens == 0:
             return
         stop = [s for s in stop if s]
-        batch, answers, waiting = Batch(self, sampling), [], list(range(len(prompts)))[::-1]
+        batch, answers, waiting = self.batch(sampling), [], list(range(len(prompts)))[::-1]
         while waiting or answers:
             if waiting and len(answers) < batch_size:  # a prompt joins: its prefill settles its first token
                 i = waiting.pop()
                 answers.append(_Answer(i, results[i], max_new_tokens, stop, time.perf_counter()))
-                passes = [(answers[-1], ([batch.add(encoded[i], max_lengths[i])], 0), False)]
+                passes = [(answers[-1], ([batch.add(encoded[i], max_lengths[i])], {}), False)]
             else:
                 passes = [(answer, settled, True) for answer, settled in zip(answers, batch.step(), strict=True)]
-            for answer, (settled, from_lookup), verified in passes:
-                if text := answer.take(self.tokenizer, self.eos_ids, settled, from_lookup, verified):
+            for answer, (settled, accepted_by), verified in passes:
+                if text := answer.take(self.tokenizer, self.eos_ids, settled, accepted_by, verified):
                     yield answer.index, text
             batch.keep([not answer.done for answer in answers])
             answers = [answer for answer in answers if not answer.done]
@@ -248,13 +232,14 @@ class _Answer:
     shown: int = 0
     done: bool = False
 
-    def take(self, tokenizer, eos_ids: set[int], settled: list[int], from_lookup: int, verified: bool) -> str:
+    def take(self, tokenizer, eos_ids: set[int], settled: list[int], accepted_by: dict, verified: bool) -> str:
         """Add the tokens a pass settled (a verification pass, or the prefill); return the text now safe to show."""
         result = self.result
         if verified:
             result.forward_passes += 1
             result.accept_lengths.append(len(settled))
-            result.lookup_accepted += from_lookup
+            for name, count in accepted_by.items():
+                result.accepted_by[name] = result.accepted_by.get(name, 0) + count
         for token in settled:
             if token in eos_ids:
                 result.finish_reason = "stop"

@@ -22,7 +22,10 @@ from torch.nn import functional as F
 from transformers import LlamaConfig, PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from mtp.drafting import TreeProposer
 from mtp.folder import Drafter, HeadsConfig
+from mtp.target import Target
+from mtp.tree import Tree
 
 
 def layer_shape(model: PreTrainedModel) -> dict:
@@ -146,6 +149,12 @@ class Eagle(Drafter):
             self.lm_head = nn.Linear(*weight.shape[::-1], bias=False, device=weight.device, dtype=weight.dtype)
             self.lm_head.weight.data.copy_(weight)
 
+    max_depth = None  # it drafts as deep as a tree asks
+
+    def proposer(self, target: Target, plans: dict[int, Tree]) -> "EagleProposer":
+        """This drafter over the rows of a batch (see `mtp.drafting`), on the trees of `plans`."""
+        return EagleProposer(self, target, plans)
+
     @property
     def draft_ids(self) -> torch.Tensor:
         """(D,) the target id of each draft column."""
@@ -170,10 +179,19 @@ class Eagle(Drafter):
         """Training: the draft logits (K, N, D) of the K unrolled steps, step k where head k of Medusa heads would
         be (at position t, the last true feature of its chain, for token t + k + 2), at the N positions `keep`
         (B, T) marks; features (B, T, F) the base model's features, input_ids (B, T). `hidden` is unused."""
+        return self.logits(self._aligned(features, input_ids, embed)[:, keep], base_lm_head)  # (K, N, D)
+
+    def path_guesses(self, hidden, features, input_ids, base_lm_head, embed, k: int) -> torch.Tensor:
+        """Target ids of every step's top-k guesses at every position of one sequence, unrolled along the true
+        tokens: features (T, F), input_ids (T,) -> (K, T, k); `hidden` is unused."""
+        logits = self.logits(self._aligned(features[None], input_ids[None], embed)[:, 0], base_lm_head)  # (K, T, D)
+        return self.draft_ids[logits.topk(k, dim=-1).indices]
+
+    def _aligned(self, features: torch.Tensor, input_ids: torch.Tensor, embed: nn.Module) -> torch.Tensor:
+        """`unroll`'s outputs (K, B, T, H), step k at position t: the last true feature of its chain, for token
+        t + k + 2 (step k's entry j = t + k + 1, index t + k, shifted back to t; zeros past the end)."""
         steps = self.unroll(features, input_ids, embed, self.config.num_heads)  # (K, B, T-1, H)
-        # step k's entry j = t + k + 1 (index t + k) scores token t + k + 2: shift it back to t
-        aligned = torch.stack([F.pad(step, (0, 0, 0, k + 1))[:, k:] for k, step in enumerate(steps)])  # (K, B, T, H)
-        return self.logits(aligned[:, keep], base_lm_head)  # (K, N, D)
+        return torch.stack([F.pad(step, (0, 0, 0, k + 1))[:, k:] for k, step in enumerate(steps)])
 
     def unroll(self, features: torch.Tensor, input_ids: torch.Tensor, embed: nn.Module, steps: int) -> torch.Tensor:
         """Training-time test: the drafter's output features of `steps` unrolled steps at every entry.
@@ -205,3 +223,104 @@ class Eagle(Drafter):
             past = (keys, values) if past is None else (torch.cat([past[0], keys], 2), torch.cat([past[1], values], 2))
             feature = F.pad(hidden, (0, 0, 1, 0))[:, :-1]  # (B, L, H): entry i reads step k's output at i - 1
         return torch.stack(outputs)
+
+
+class EagleProposer(TreeProposer):
+    """The feature-level drafter over the rows of a batch, with its own cache of every row's true entries (the
+    prompt and the accepted tokens, each with the base model's feature before it). A step drafts the tree level by
+    level from each row's root entry; the entries of the tree's nodes are dropped after it, and the accepted ones
+    enter the cache with the base model's features instead. Rows share the cache as the base's rows do theirs: a
+    slot that holds no entry of a row is masked (`seen`)."""
+
+    name = "eagle"
+
+    def __init__(self, eagle: Eagle, target: Target, plans: dict[int, Tree]):
+        super().__init__(target, plans)
+        self.eagle, self.layers = eagle, eagle.config.feature_layers
+        self.keys = self.values = self.seen = None  # (B, G, S, d) rotated keys, values; (B, S) bool
+        self.state = []  # per row, (H,) the output of its root's entry: it scores the root's children
+        self.positions = []  # per row, its root's position
+
+    def _run(self, feature, embedding, positions, past, mask):
+        """The layer over entries feature, embedding (B, Q, H) at positions (B, Q), after `past`, seeing `mask`."""
+        return self.eagle.midlayer(feature, embedding, self.eagle.rotary(feature, positions), past, mask)
+
+    def add(self, input_ids, states, root):
+        device = self.target.device
+        ids = torch.cat([input_ids.to(device)[1:], torch.tensor([root], device=device)])  # (T,) entry j: token j
+        length = len(ids)
+        feature = self.eagle.fc(states.features(self.layers, 0, slice(None)))[None]  # (1, T, H)
+        positions = torch.arange(1, length + 1, device=device)[None]  # (1, T)
+        causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]  # (1, 1, T, T)
+        out, (keys, values) = self._run(feature, self.target.embed(ids)[None], positions, None, causal)
+        seen = torch.ones(1, length, dtype=torch.bool, device=device)
+        if self.keys is None:
+            self.keys, self.values, self.seen = keys, values, seen
+        else:  # the shorter of the old rows and the new one padded with unseen slots
+            size = max(self.keys.shape[2], length)
+
+            def pad(states):  # (B, G, S, d) -> (B, G, size, d)
+                return F.pad(states, (0, 0, 0, size - states.shape[2]))
+
+            self.keys, self.values = torch.cat([pad(self.keys), pad(keys)]), torch.cat([pad(self.values), pad(values)])
+            self.seen = torch.cat([F.pad(self.seen, (0, size - self.seen.shape[1])), F.pad(seen, (0, size - length))])
+        self.state.append(out[0, -1])
+        self.positions.append(length)
+
+    def tokens(self, tree, roots):
+        batch, size, device = len(roots), tree.size, roots.device
+        tokens = torch.cat([roots, roots.new_zeros(batch, size - 1)], 1)  # (B, N+1) filled level by level
+        outputs = torch.stack(self.state)[:, None].repeat(1, size, 1)  # (B, N+1, H) each node's entry's output
+        drafted_keys = self.keys.new_zeros(batch, self.keys.shape[1], size, self.keys.shape[3])  # (B, G, N+1, d)
+        drafted_values = torch.zeros_like(drafted_keys)
+        ran = torch.zeros(size, dtype=torch.bool, device=device)  # nodes whose entries are in drafted_*
+        roots_at = torch.tensor(self.positions, device=device)  # (B,)
+        for depth, (nodes, rows, paths) in enumerate(tree.levels, 1):
+            parents = paths[:, -1]  # (P,) the nodes of depth - 1 whose children are drafted now
+            if depth > 1:  # their entries: each reads its own parent's output and its token
+                count = len(parents)
+                # (B, 1, P, S + N+1 + P): the row's true entries (its root's included), its ancestors', itself
+                cached = self.seen[:, None].expand(-1, count, -1)
+                ancestors = (tree.mask[parents] & ran)[None].expand(batch, -1, -1)
+                itself = torch.eye(count, dtype=torch.bool, device=device)[None].expand(batch, -1, -1)
+                seen = torch.cat([cached, ancestors, itself], -1)[:, None]
+                past = torch.cat([self.keys, drafted_keys], 2), torch.cat([self.values, drafted_values], 2)
+                positions = (roots_at[:, None] + depth - 1).expand(-1, count)  # (B, P)
+                out, (keys, values) = self._run(
+                    outputs[:, tree.parents[parents]], self.target.embed(tokens[:, parents]), positions, past, seen
+                )  # (B, P, H)
+                outputs[:, parents], ran[parents] = out, True
+                drafted_keys[:, :, parents], drafted_values[:, :, parents] = keys, values
+            logits = self.eagle.logits(outputs[:, parents], self.target.lm_head)  # (B, P, D)
+            best = self.eagle.draft_ids[logits.topk(tree.top_k, dim=-1).indices]  # (B, P, k) target ids
+            tokens[:, nodes] = best[:, rows, tree.ranks[nodes]]  # (B, M)
+        return tokens
+
+    def accept(self, states, nodes, settled):
+        device = self.target.device
+        counts = torch.tensor([len(row_nodes) for row_nodes in nodes], device=device)  # (B,) A_b + 1
+        most = int(counts.max())
+        features = [states.features(self.layers, b, row_nodes) for b, row_nodes in enumerate(nodes)]
+        feature = self.eagle.fc(nn.utils.rnn.pad_sequence(features, batch_first=True))  # (B, M, H)
+        tokens = nn.utils.rnn.pad_sequence([torch.tensor(row, device=device) for row in settled], batch_first=True)
+        valid = torch.arange(most, device=device)[None] < counts[:, None]  # (B, M)
+        causal = torch.ones(most, most, dtype=torch.bool, device=device).tril() & valid[:, None]  # (B, M, M)
+        causal |= torch.eye(most, dtype=torch.bool, device=device)  # a padding entry sees itself: no empty row
+        seen = torch.cat([self.seen[:, None].expand(-1, most, -1), causal], -1)[:, None]  # (B, 1, M, S+M)
+        positions = torch.tensor(self.positions, device=device)[:, None] + 1 + torch.arange(most, device=device)
+        out, (keys, values) = self._run(feature, self.target.embed(tokens), positions, (self.keys, self.values), seen)
+        self.keys, self.values = torch.cat([self.keys, keys], 2), torch.cat([self.values, values], 2)
+        self.seen = torch.cat([self.seen, valid], 1)
+        self.state = [out[b, count - 1] for b, count in enumerate(counts.tolist())]
+        self.positions = [position + count for position, count in zip(self.positions, counts.tolist(), strict=True)]
+
+    def keep(self, rows):
+        kept = torch.tensor(rows, device=self.target.device)
+        self.state = [state for state, k in zip(self.state, rows, strict=True) if k]
+        self.positions = [position for position, k in zip(self.positions, rows, strict=True) if k]
+        if not self.state:
+            self.keys = self.values = self.seen = None
+            return
+        filled = self.seen[kept].any(0)  # (S,) slots some kept row still sees
+        self.keys, self.values = self.keys[kept][:, :, filled], self.values[kept][:, :, filled]
+        self.seen = self.seen[kept][:, filled]

@@ -8,8 +8,11 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import PreTrainedModel
 
+from mtp.drafting import TreeProposer
 from mtp.folder import Drafter, HeadsConfig
 from mtp.loss import following_tokens
+from mtp.target import Target
+from mtp.tree import Tree
 
 
 class ResidualBlock(nn.Module):
@@ -55,6 +58,15 @@ class Heads(Drafter):
         """New heads for `base_model` (an `own` projection starts as a copy of its lm_head)."""
         return cls(config, base_model.get_output_embeddings().weight.detach())
 
+    @property
+    def max_depth(self) -> int:
+        """The deepest node a tree of these heads may hold: head d - 1 guesses depth d."""
+        return self.config.num_heads
+
+    def proposer(self, target: Target, plans: dict[int, Tree]) -> "HeadsProposer":
+        """These heads drafting over the rows of a batch (see `mtp.drafting`), on the trees of `plans`."""
+        return HeadsProposer(self, target, plans)
+
     def teacher_forced(self, hidden, features, input_ids, keep, base_lm_head, embed) -> torch.Tensor:
         """Training: every head's logits (K, N, V), or (K, N, D) over the draft vocabulary, at the N positions
         `keep` (B, T) marks, reading the true tokens where a kind reads the path; hidden (B, T, H) the base
@@ -65,6 +77,12 @@ class Heads(Drafter):
         if self.config.draft_vocab is None:
             return self(hidden[keep], base_lm_head, following=following)
         return self.draft_logits(hidden[keep], base_lm_head, following=following)
+
+    def path_guesses(self, hidden, features, input_ids, base_lm_head, embed, k: int) -> torch.Tensor:
+        """Token ids of every head's top-k guesses at every position of one sequence, heads that read the path
+        reading the true one: hidden (T, H), input_ids (T,) -> (K, T, k); `features` is unused."""
+        following = embed(following_tokens(input_ids[None], self.config.num_heads))[0] if self.reads_path else None
+        return self._best(hidden, base_lm_head, self.config.num_heads, k, following)
 
     def state(self, k: int, hidden: torch.Tensor, following: torch.Tensor | None) -> torch.Tensor:
         """Head k's last hidden state (..., H), before its projection.
@@ -208,3 +226,26 @@ class HydraHeads(Heads):
             best = self._best(hidden[:, None], base_lm_head, 1, k, following, first=depth - 1)[0]  # (B, P, k)
             tokens[:, nodes] = best[:, rows, tree.ranks[nodes]]  # (B, M)
         return tokens
+
+
+class HeadsProposer(TreeProposer):
+    """Heads over the rows of a batch: each row's last hidden state is all they read."""
+
+    name = "heads"
+
+    def __init__(self, heads: Heads, target: Target, plans: dict[int, Tree]):
+        super().__init__(target, plans)
+        self.heads, self.hidden = heads, []  # per row, (H,) the hidden state at its last cached position
+
+    def add(self, input_ids, states, root):
+        self.hidden.append(states.last[0, -1])
+
+    def tokens(self, tree, roots):
+        target, hidden = self.target, torch.stack(self.hidden)  # (B, H)
+        return self.heads.tree_tokens(hidden, roots, tree, target.lm_head, target.embed, tree.top_k)
+
+    def accept(self, states, nodes, settled):
+        self.hidden = [states.last[b, row_nodes[-1]] for b, row_nodes in enumerate(nodes)]
+
+    def keep(self, rows):
+        self.hidden = [hidden for hidden, kept in zip(self.hidden, rows, strict=True) if kept]

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mtp.drafting import Proposer
+
 MAX_NGRAM = 3  # the longest match of `--lookup L` given as one number
 FULL = 10  # a match proposes from its latest occurrence that this many tokens follow (else from its latest)
 
@@ -51,6 +53,33 @@ class Lookup:
         """The candidates after `ids`: the first lengths[n - 1] tokens of the chain of the longest match."""
         n, chain = self.match(ids)
         return chain[: self.lengths[n - 1]] if n else []
+
+
+class LookupProposer(Proposer):
+    """Prompt lookup over the rows of a batch: each row's text so far (prompt and settled tokens), and the chain of
+    `lookups[B]` (for steps over at least B rows) grafted onto each row's tree."""
+
+    name = "lookup"
+
+    def __init__(self, lookups: dict[int, Lookup | None]):
+        self.lookups, self.sequences = lookups, []  # per row, (T,) the prompt and every settled token
+
+    def add(self, input_ids, states, root):
+        self.sequences.append(torch.cat([input_ids.cpu(), torch.tensor([root])]))
+
+    def propose(self, trees, tokens, rooms, source):
+        lookup = self.lookups[max(b for b in self.lookups if b <= len(trees))]
+        if lookup is None:
+            return trees, tokens
+        chains = [lookup.propose(sequence)[:room] for sequence, room in zip(self.sequences, rooms, strict=True)]
+        grafts = [tree.graft(row, chain, source) for tree, row, chain in zip(trees, tokens, chains, strict=True)]
+        return [tree for tree, _ in grafts], [row for _, row in grafts]
+
+    def accept(self, states, nodes, settled):
+        self.sequences = [torch.cat([seq, torch.tensor(new)]) for seq, new in zip(self.sequences, settled, strict=True)]
+
+    def keep(self, rows):
+        self.sequences = [sequence for sequence, kept in zip(self.sequences, rows, strict=True) if kept]
 
 
 def add_lookup_arguments(parser: argparse.ArgumentParser) -> None:

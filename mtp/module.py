@@ -181,9 +181,14 @@ class HeadsModule(L.LightningModule):
         self.base_model, tokenizer = load_base(base_model, fast=False)  # training: the usual products
         self.base_model.requires_grad_(False)
         identity = base_identity(base_model, self.base_model, tokenizer)
+        depth = self.base_model.config.get_text_config(decoder=True).num_hidden_layers
         if head_type == "eagle" and feature_layers is None:
-            depth = self.base_model.config.get_text_config(decoder=True).num_hidden_layers
             feature_layers = [2, depth // 2, depth - 3] if depth >= 6 else [depth]
+        if feature_layers and not all(0 <= i <= depth for i in feature_layers):
+            raise ValueError(
+                f"feature_layers {feature_layers}: this base model has {depth} decoder layers; choose hidden states "
+                f"0 (the input embeddings) to {depth} (the last layer's output)."
+            )
         config = HeadsConfig(
             num_heads=num_heads, num_layers=num_layers, lm_head=lm_head, head_type=head_type,
             feature_layers=feature_layers or [], **identity,

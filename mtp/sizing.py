@@ -31,14 +31,12 @@ from contextlib import nullcontext
 import torch
 
 from mtp.base import load_base
-from mtp.batch import Batch
 from mtp.cli import user_errors
 from mtp.data import add_held_out_arguments, held_out
 from mtp.decoding import Decoder
 from mtp.folder import Drafter
 from mtp.linears import usual_linears
 from mtp.lookup import FULL, MAX_NGRAM, Lookup
-from mtp.loss import following_tokens
 from mtp.machine import device_name, measured
 from mtp.sampling import GREEDY
 from mtp.tree import Path, Tree, grow_tree
@@ -69,7 +67,7 @@ def measure_steps(model, tokenizer, heads: Drafter, paths: list[Path], context: 
         for size, usual in times:
             decoder = Decoder(model, tokenizer, heads if size > 1 else None, Tree.from_paths(paths[: size - 1]))
             with usual_linears(model) if usual else nullcontext():
-                rows = Batch(decoder, GREEDY)
+                rows = decoder.batch(GREEDY)
                 for prompt in prompts:
                     rows.add(prompt)
                 rows.step()  # warm-up
@@ -120,9 +118,12 @@ def held_out_roots(model, heads: Drafter, paths: list[Path], examples: list, loo
         # roots: answer tokens that another follows (a step after the last one would be past the answer); the
         # root's parent holds the heads' input
         roots = [p for p in mask.nonzero()[:, 0].tolist() if p > 0 and left[p]]
-        hidden = backbone(input_ids=ids[None].to(model.device)).last_hidden_state[0]  # (T, H)
-        following = embed(following_tokens(ids[None], num_heads).to(model.device))[0] if heads.reads_path else None
-        guesses = heads._best(hidden, model.get_output_embeddings(), num_heads, top_k, following).cpu()  # (K, T, k)
+        layers = heads.config.feature_layers
+        out = backbone(input_ids=ids[None].to(model.device), output_hidden_states=bool(layers))
+        features = torch.cat([out.hidden_states[i][0] for i in layers], -1) if layers else None  # (T, F)
+        guesses = heads.path_guesses(
+            out.last_hidden_state[0], features, ids.to(model.device), model.get_output_embeddings(), embed, top_k
+        ).cpu()  # (K, T, k) fmt: skip
         for p in roots:
             path, order = (), []
             for d in range(min(num_heads, left[p])):  # head d guesses the token d + 1 after the root

@@ -12,7 +12,6 @@ from functools import cached_property
 import torch
 
 Path = tuple[int, ...]
-LOOKUP = -2  # the rank of a node that prompt lookup proposed (see `Tree.graft`)
 
 
 @dataclass(frozen=True)
@@ -24,7 +23,10 @@ class Tree:
     depths: torch.Tensor
     """(N+1,) depth of each node (root 0); also each node's position offset from the root."""
     ranks: torch.Tensor
-    """(N+1,) rank of each node's token in its head's top-k (root -1, a prompt-lookup node LOOKUP)."""
+    """(N+1,) rank of each node's token in its head's top-k (-1: the root, and grafted nodes, which have none)."""
+    sources: torch.Tensor
+    """(N+1,) which drafter of the step proposed each node (see `mtp.drafting`): 0 for the nodes of the paths, the
+    grafting one's number for grafted nodes; -1 for the root."""
     mask: torch.Tensor
     """(N+1, N+1) bool: mask[i, j] iff node j is node i or one of its ancestors."""
     retrieve: torch.Tensor
@@ -51,10 +53,11 @@ class Tree:
             if num_heads is not None and len(path) > num_heads:
                 raise ValueError(f"Path {path} is {len(path)} deep, but there are only {num_heads} heads.")
         parents = torch.tensor([-1] + [index[path[:-1]] for path in ordered])  # (N+1,)
-        return cls._build(ordered, parents, torch.tensor([-1] + [path[-1] for path in ordered]))
+        sources = torch.tensor([-1] + [0] * len(ordered))
+        return cls._build(ordered, parents, torch.tensor([-1] + [path[-1] for path in ordered]), sources)
 
     @classmethod
-    def _build(cls, paths: tuple[Path, ...], parents: torch.Tensor, ranks: torch.Tensor) -> "Tree":
+    def _build(cls, paths: tuple[Path, ...], parents: torch.Tensor, ranks: torch.Tensor, sources) -> "Tree":
         """The tree whose node i has parent parents[i] (< i; the root's -1)."""
         size = len(parents)
         mask = torch.eye(size, dtype=torch.bool)  # (N+1, N+1)
@@ -66,12 +69,12 @@ class Tree:
         for row, leaf in enumerate(leaves):  # a leaf's ancestors, by index: root first, as parents come first
             path = mask[leaf].nonzero()[:, 0]
             retrieve[row, : len(path)] = path
-        return cls(paths, parents, depths, ranks, mask, retrieve)
+        return cls(paths, parents, depths, ranks, sources, mask, retrieve)
 
-    def graft(self, tokens: torch.Tensor, chain: list[int]) -> tuple["Tree", torch.Tensor]:
-        """This tree, whose nodes hold `tokens` (N+1,), with `chain` (tokens proposed after the root, by prompt
-        lookup) hung from the root: the chain follows the nodes whose tokens it repeats, so that no candidate is
-        verified twice, and its rest becomes new nodes (rank LOOKUP) below the last one it followed.
+    def graft(self, tokens: torch.Tensor, chain: list[int], source: int) -> tuple["Tree", torch.Tensor]:
+        """This tree, whose nodes hold `tokens` (N+1,), with `chain` (tokens proposed after the root, by drafter
+        `source`, such as prompt lookup) hung from the root: the chain follows the nodes whose tokens it repeats, so
+        that no candidate is verified twice, and its rest becomes new nodes (rank -1) below the last one it followed.
 
         Returns the tree (on this tree's device) and its tokens (N'+1,), the new nodes' last."""
         children, values, node, i = self.children, tokens.tolist(), 0, 0
@@ -83,9 +86,10 @@ class Tree:
         new = torch.arange(self.size, self.size + len(rest))  # (M,)
         parents = torch.cat([self.parents.cpu(), torch.tensor([node]), new[:-1]])  # (N'+1,)
         path = self.paths[node - 1] if node else ()
-        paths = self.paths + tuple(path + (LOOKUP,) * j for j in range(1, len(rest) + 1))
-        ranks = torch.cat([self.ranks.cpu(), torch.full((len(rest),), LOOKUP)])
-        grafted = Tree._build(paths, parents, ranks).to(self.parents.device)
+        paths = self.paths + tuple(path + (-1,) * j for j in range(1, len(rest) + 1))
+        ranks = torch.cat([self.ranks.cpu(), torch.full((len(rest),), -1)])
+        sources = torch.cat([self.sources.cpu(), torch.full((len(rest),), source)])
+        grafted = Tree._build(paths, parents, ranks, sources).to(self.parents.device)
         return grafted, torch.cat([tokens, torch.tensor(rest, device=tokens.device)])
 
     @property
@@ -128,8 +132,8 @@ class Tree:
         return Tree.from_paths([path for path in self.paths if len(path) <= depth])
 
     def to(self, device: torch.device | str) -> "Tree":
-        return replace(self, **{name: getattr(self, name).to(device) for name in ("parents", "depths", "ranks",
-                                                                                  "mask", "retrieve")})  # fmt: skip
+        names = ("parents", "depths", "ranks", "sources", "mask", "retrieve")
+        return replace(self, **{name: getattr(self, name).to(device) for name in names})
 
 
 def grow_tree(calibration: list[list[float]], max_nodes: int) -> tuple[list[Path], list[float]]:

@@ -40,7 +40,7 @@ MODELS = {
 }
 
 
-@pytest.mark.parametrize("heads", ["oracle", "medusa", "hydra"])
+@pytest.mark.parametrize("heads", ["oracle", "medusa", "hydra", "eagle"])
 @pytest.mark.parametrize("name", MODELS)
 def test_each_row_of_a_batch_is_its_prompt_decoded_alone(name, heads, tokenizer):
     model_type, overrides = MODELS[name]
@@ -152,7 +152,7 @@ def test_each_row_samples_its_own_prompts_distribution(lookup):
     prompts = [torch.tensor([[3, 7, 1]]), torch.tensor([[5, 2, 6, 0, 4, 3]])]
     found, settled = [Counter(), Counter()], Counter()
     for i in range(4_000):
-        batch = Batch(decoder, replace(sampling, seed=i))
+        batch = decoder.batch(replace(sampling, seed=i))
         rows = [[batch.add(prompts[b % 2])] for b in range(4)]
         while min(len(tokens) for tokens in rows) < 3:
             for tokens, (block, _) in zip(rows, batch.step(), strict=True):

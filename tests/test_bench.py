@@ -110,3 +110,13 @@ def test_markdown_prints_one_row_per_category_with_the_summary_figures():
     table = markdown({"overall": summarise(fast)}).splitlines()
     assert "| plain tok/s | plain fast tok/s | lookup tok/s | vs fastest plain | vs plain | vs plain fast |" in table[0]
     assert table[2] == "| overall | 3 | 2.33 | 20.0 | 12.0 | 24.0 | 10.0 | 0.83x | 1.67x | 0.83x | 2.00x | 11 / 7 | 1 |"
+
+
+def test_another_drafter_is_summarised_beside_mtp_with_its_own_tau_and_mismatches():
+    rows = [{**r, "other_drafter_tokens": r["mtp_tokens"], "other_drafter_seconds": 4 * r["mtp_seconds"],
+             "other_drafter_passes": 35, "other_drafter_matches_plain": i != 0}
+            for i, r in enumerate(ROWS)]  # fmt: skip
+    summary = summarise(rows)
+    assert summary["other_drafter_tokens_per_second"] == 5.0 and summary["speedup_vs_other_drafter"] == 4.0
+    assert summary["other_drafter_tau"] == pytest.approx(35 / 105) and summary["other_drafter_mismatches"] == 1
+    assert "| vs other drafter |" in markdown({"overall": summary}).splitlines()[0]

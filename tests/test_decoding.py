@@ -70,10 +70,16 @@ class OracleHeads(MedusaHeads):
         return logits.topk(k, dim=-1).indices  # (D, B, k)
 
 
+def feature_layers(model, head_type: str) -> list[int]:
+    """What a drafter of `head_type` reads of `model`: for `eagle`, every decoder layer's output."""
+    return list(range(1, model.config.num_hidden_layers + 1)) if head_type == "eagle" else []
+
+
 def random_heads(model, num_heads=4, seed=1, head_type="medusa"):
     torch.manual_seed(seed)
-    config = HeadsConfig(num_heads=num_heads, head_type=head_type, hidden_size=64, vocab_size=model.config.vocab_size)
-    heads = DRAFTERS[head_type](config)
+    config = HeadsConfig(num_heads=num_heads, head_type=head_type, hidden_size=64, vocab_size=model.config.vocab_size,
+                         feature_layers=feature_layers(model, head_type))  # fmt: skip
+    heads = DRAFTERS[head_type].new(config, model)
     for parameter in heads.parameters():
         nn.init.normal_(parameter, std=0.5)
     return heads

@@ -7,7 +7,7 @@ from mtp.base import load_tokenizer
 from mtp.decoding import Decoder
 from mtp.drafters import DRAFTERS
 from mtp.lookup import Lookup
-from mtp.tree import LOOKUP, Tree
+from mtp.tree import Tree
 from tests.conftest import TINY_BASE
 from tests.test_decoding import PROMPT, TREE, random_heads, reference, tiny_model
 
@@ -39,10 +39,10 @@ def test_bad_lookup_settings_are_refused_with_what_they_need():
 def test_a_graft_follows_the_heads_nodes_its_tokens_repeat_and_adds_the_rest_as_one_branch():
     tree = Tree.from_paths([(0,), (1,), (0, 0), (0, 1)])  # nodes 1: (0,), 2: (1,), 3: (0, 0), 4: (0, 1)
     tokens = torch.tensor([10, 20, 21, 30, 31])
-    grafted, new_tokens = tree.graft(tokens, [20, 31, 40, 41])  # follows nodes 1 and 4, then adds 40, 41
+    grafted, new_tokens = tree.graft(tokens, [20, 31, 40, 41], source=1)  # follows nodes 1 and 4, then adds 40, 41
     assert new_tokens.tolist() == [10, 20, 21, 30, 31, 40, 41]
     assert grafted.parents.tolist() == [-1, 0, 0, 1, 1, 4, 5] and grafted.depths.tolist() == [0, 1, 1, 2, 2, 3, 4]
-    assert grafted.ranks.tolist()[5:] == [LOOKUP, LOOKUP]
+    assert grafted.ranks.tolist()[5:] == [-1, -1] and grafted.sources.tolist() == [-1, 0, 0, 0, 0, 1, 1]
     for node in range(grafted.size):  # the mask: the node and its ancestors, read off the parents
         ancestors, walk = {node}, node
         while grafted.parents[walk] >= 0:
@@ -50,8 +50,8 @@ def test_a_graft_follows_the_heads_nodes_its_tokens_repeat_and_adds_the_rest_as_
             ancestors.add(walk)
         assert set(grafted.mask[node].nonzero()[:, 0].tolist()) == ancestors
     assert sorted(row[row >= 0].tolist() for row in grafted.retrieve) == [[0, 1, 3], [0, 1, 4, 5, 6], [0, 2]]
-    assert tree.graft(tokens, [20, 30]) == (tree, tokens)  # nothing new: the same tree, nothing verified twice
-    alone, alone_tokens = Tree.from_paths([]).graft(torch.tensor([10]), [11, 12])
+    assert tree.graft(tokens, [20, 30], source=1) == (tree, tokens)  # nothing new: nothing verified twice
+    alone, alone_tokens = Tree.from_paths([]).graft(torch.tensor([10]), [11, 12], source=1)
     assert alone.parents.tolist() == [-1, 0, 1] and alone_tokens.tolist() == [10, 11, 12]
 
 

@@ -15,7 +15,7 @@ from mtp.folder import HeadsConfig
 from mtp.lookup import Lookup
 from mtp.sampling import Sampling
 from mtp.tree import Tree
-from tests.test_decoding import random_heads, reference, tiny_model
+from tests.test_decoding import feature_layers, random_heads, reference, tiny_model
 
 VOCAB = 8
 PROMPT = torch.tensor([[3, 7, 1]])
@@ -35,8 +35,9 @@ def small_vocab_decoder(seed=0, sliding_window=None, head_type="medusa", lookup=
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(60)  # sharper next-token distributions than a fresh init's near-uniform ones
-    config = HeadsConfig(num_heads=3, lm_head="own", head_type=head_type, hidden_size=16, vocab_size=VOCAB)
-    heads = DRAFTERS[head_type](config)
+    config = HeadsConfig(num_heads=3, lm_head="own", head_type=head_type, hidden_size=16, vocab_size=VOCAB,
+                         feature_layers=feature_layers(model, head_type))  # fmt: skip
+    heads = DRAFTERS[head_type].new(config, model)
     for parameter in heads.parameters():
         torch.nn.init.normal_(parameter, std=0.5)
     return Decoder(model, None, heads.eval(), TREE, lookup)
@@ -61,10 +62,10 @@ def sample(decoder: Decoder, sampling: Sampling, n: int) -> tuple[Counter, Count
     found, settled = Counter(), Counter()
     for i in range(n):
         tokens = []
-        for step, (block, from_lookup) in enumerate(decoder.steps(PROMPT, replace(sampling, seed=sampling.seed + i))):
+        for step, (block, accepted_by) in enumerate(decoder.steps(PROMPT, replace(sampling, seed=sampling.seed + i))):
             tokens += block
             settled[len(block)] += step > 0
-            settled["lookup"] += from_lookup
+            settled["lookup"] += accepted_by.get("lookup", 0)
             if len(tokens) >= 3:
                 break
         found[tuple(tokens[:3])] += 1
@@ -95,9 +96,10 @@ SETTINGS = [Sampling(temperature=1.0, seed=0), Sampling(temperature=0.7, top_k=6
         (Sampling(temperature=1.0, seed=2 * 10**6), 2, "medusa", None),
         (Sampling(temperature=0.7, top_k=6, top_p=0.9, seed=3 * 10**6), None, "hydra", None),
         (Sampling(temperature=1.0, seed=4 * 10**6), None, "medusa", Lookup((3, 3))),
+        (Sampling(temperature=1.0, seed=5 * 10**6), None, "eagle", None),
     ],
     # window 2: the last 3 tokens see their last 2; lookup: its candidates beside the heads', in the same tree
-    ids=["t1", "t0.7-k6-p0.9", "t1-window2", "t0.7-k6-p0.9-hydra", "t1-lookup"],
+    ids=["t1", "t0.7-k6-p0.9", "t1-window2", "t0.7-k6-p0.9-hydra", "t1-lookup", "t1-eagle"],
 )
 def test_exact_acceptance_samples_the_base_models_joint_distribution(sampling, sliding_window, head_type, lookup):
     decoder = small_vocab_decoder(sliding_window=sliding_window, head_type=head_type, lookup=lookup)

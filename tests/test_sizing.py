@@ -161,7 +161,7 @@ def test_the_simulation_takes_the_steps_that_decoding_takes(head_type):
         input_ids = tokenizer(prompt, return_tensors="pt").input_ids
         ids = torch.tensor(input_ids[0].tolist() + reference(model, input_ids, 30))
         examples.append((ids, torch.arange(len(ids)) >= input_ids.shape[1]))
-    heads.config.draft_vocab = sorted({token for ids, mask in examples for token in ids[mask].tolist()})
+    heads.set_draft_vocab(sorted({token for ids, mask in examples for token in ids[mask].tolist()}), model)
     roots = held_out_roots(model, heads, paths, examples, Lookup((FULL,) * 3))
     for size, lengths in [(1, [2, 4, 6]), (4, [0, 3, 10]), (9, [1, 1, 1]), (9, [])]:
         decoder = Decoder(model, tokenizer, heads, Tree.from_paths(paths[: size - 1]), Lookup(tuple(lengths) or (0,)))

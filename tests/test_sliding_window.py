@@ -37,7 +37,7 @@ def test_greedy_tree_decoding_far_past_the_window_equals_generate(model_type):
     expected = reference(model, PROMPT, 88)
     oracle = OracleHeads(model, torch.cat([PROMPT[0], torch.tensor(expected)]), num_heads=4)
     tokens, lengths = [], []
-    for heads in (oracle, random_heads(model), random_heads(model, head_type="hydra")):
+    for heads in (oracle, *(random_heads(model, head_type=kind) for kind in ("medusa", "hydra", "eagle"))):
         loop = Decoder(model, None, heads, TREE).steps(PROMPT)
         run = []
         while len(run) < 80:  # 12 + 80 positions: more than five windows
@@ -45,7 +45,7 @@ def test_greedy_tree_decoding_far_past_the_window_equals_generate(model_type):
             run += block
             lengths.append(len(block))
         tokens.append(run[:80])
-    assert tokens == [expected[:80]] * 3
+    assert tokens == [expected[:80]] * 4
     assert max(lengths) == 5  # the oracle's blocks were accepted whole, across the window's edge
 
 
@@ -80,6 +80,6 @@ def test_the_final_logit_soft_cap_is_applied_to_the_verified_logits():
     model = tiny_model("gemma2", **SLIDING["gemma2"])
     hidden = 100 * torch.randn(3, 64)  # logits far past the cap of 30
     with torch.no_grad():
-        capped = Decoder(model, None).logits(hidden)
+        capped = Decoder(model, None).target.logits(hidden)
         uncapped = model.lm_head(hidden)
     assert capped.abs().max() <= 30 and torch.allclose(capped, 30 * torch.tanh(uncapped / 30))

@@ -13,7 +13,7 @@ from mtp.drafters import DRAFTERS
 from mtp.folder import HeadsConfig, base_identity
 from mtp.heads import MedusaHeads
 from tests.conftest import ROOT, TINY_BASE
-from tests.test_decoding import PROMPT, TREE, OracleHeads, reference, tiny_model
+from tests.test_decoding import PROMPT, TREE, OracleHeads, feature_layers, reference, tiny_model
 
 pytestmark = pytest.mark.usefixtures("tokenizer")
 
@@ -120,7 +120,9 @@ def test_generation_fills_the_context_window_exactly_and_no_further(tokenizer):
 def save_random_heads(tmp_path, lm_head="shared", head_type="medusa"):
     model, tokenizer = mtp.base.load_base(TINY_BASE)
     identity = base_identity(TINY_BASE, model, tokenizer)
-    heads = DRAFTERS[head_type](HeadsConfig(num_heads=3, lm_head=lm_head, head_type=head_type, **identity))
+    config = HeadsConfig(num_heads=3, lm_head=lm_head, head_type=head_type, **identity,
+                         feature_layers=feature_layers(model, head_type))  # fmt: skip
+    heads = DRAFTERS[head_type].new(config, model)
     torch.manual_seed(0)
     for parameter in heads.parameters():
         torch.nn.init.normal_(parameter, std=0.3)

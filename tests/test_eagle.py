@@ -1,0 +1,127 @@
+"""The feature-level drafter: its checkpoint layout, its training-time test against what decoding drafts, its cache
+after acceptance against a fresh run, and its training."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mtp.base import load_tokenizer
+from mtp.data import HeadsDataModule
+from mtp.decoding import Decoder
+from mtp.eagle import EagleProposer
+from mtp.folder import Drafter
+from mtp.module import HeadsModule
+from mtp.tree import Tree
+from tests.conftest import TINY_BASE, TINY_CHAT
+from tests.test_decoding import PROMPT, random_heads, reference, tiny_model
+from tests.test_module import trainer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(TINY_BASE)
+
+
+CHAIN = Tree.from_paths([(0,), (0, 0), (0, 0, 0)])
+
+
+def test_the_parameters_are_named_and_shaped_as_eagle3_checkpoints_have_them(tmp_path):
+    model = tiny_model()  # hidden 64, 4 heads of 16, 2 key-value heads, MLP 128
+    drafter = random_heads(model, head_type="eagle")
+    drafter.set_draft_vocab([5, 3, 9, 7], model)
+    drafter.save_pretrained(tmp_path)
+    shapes = {name: tuple(t.shape) for name, t in load_file(tmp_path / "model.safetensors").items()}
+    assert shapes == {
+        "fc.weight": (64, 2 * 64),  # two feature layers of the tiny model, fused
+        "midlayer.input_layernorm.weight": (64,), "midlayer.hidden_norm.weight": (64,),
+        "midlayer.self_attn.q_proj.weight": (64, 128), "midlayer.self_attn.k_proj.weight": (32, 128),
+        "midlayer.self_attn.v_proj.weight": (32, 128), "midlayer.self_attn.o_proj.weight": (64, 64),
+        "midlayer.post_attention_layernorm.weight": (64,),
+        "midlayer.mlp.gate_proj.weight": (128, 64), "midlayer.mlp.up_proj.weight": (128, 64),
+        "midlayer.mlp.down_proj.weight": (64, 128),
+        "norm.weight": (64,), "d2t": (4,), "t2d": (512,),
+    }  # fmt: skip
+    loaded = Drafter.from_pretrained(tmp_path)
+    assert (loaded.d2t + torch.arange(4)).tolist() == [3, 5, 7, 9]  # draft id i is target id i + d2t[i]
+    assert loaded.t2d.nonzero()[:, 0].tolist() == [3, 5, 7, 9]
+    for name, tensor in drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+@torch.no_grad()
+def test_decoding_drafts_along_a_chain_what_the_training_time_test_predicts():
+    """Both the unrolled training pass and the decoder's level-by-level drafting: at each depth, the same guess
+    (the chain of top-1 guesses follows the true tokens, as teacher forcing does, when the guesses are right)."""
+    model = tiny_model()
+    drafter = random_heads(model, num_heads=3, head_type="eagle")
+    decoder = Decoder(model, None, drafter, CHAIN)
+    ids = torch.randint(1, 512, (12,), generator=torch.Generator().manual_seed(0))
+    batch = decoder.batch()
+    root = batch.add(ids[None, :-1])
+    out = model.get_decoder()(input_ids=torch.cat([ids[:-1], torch.tensor([root])])[None], output_hidden_states=True)
+    features = torch.cat([out.hidden_states[i][0] for i in drafter.config.feature_layers], -1)  # (T, F)
+    sequence = torch.cat([ids[:-1], torch.tensor([root])])
+    lm_head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    guesses = drafter.path_guesses(None, features, sequence, lm_head, embed, 1)  # (K, T, 1)
+    proposer = batch.proposers[0]
+    tree = proposer.tree(1, 3)
+    tokens = proposer.tokens(tree, torch.tensor([[root]]))[0]  # (4,) root, then the chain's guesses
+    # the chain's first node is guessed from the root's entry: the last true feature sits at the root's parent
+    assert tokens[1] == guesses[0, -2, 0]
+    # deeper ones read drafted features; teacher forcing reads the true tokens, so compare on the drafted ones
+    extended = torch.cat([sequence, tokens[1:2]])
+    out = model.get_decoder()(input_ids=extended[None], output_hidden_states=True)
+    features = torch.cat([out.hidden_states[i][0] for i in drafter.config.feature_layers], -1)
+    guesses = drafter.path_guesses(None, features, extended, lm_head, embed, 1)
+    assert tokens[2] == guesses[1, -3, 0]  # step 1 at the root's parent: the token 2 past the root
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+@torch.no_grad()
+def test_the_drafters_cache_after_acceptance_equals_a_fresh_run_over_the_accepted_text(batch_size, tokenizer):
+    model = tiny_model()
+    drafter = random_heads(model, head_type="eagle")
+    decoder = Decoder(model, tokenizer, drafter, Tree.from_paths([(0,), (1,), (0, 0), (0, 0, 0)]))
+    prompts = [tokenizer(p, return_tensors="pt").input_ids for p in [PROMPT, "Tell me a story about", "1 2 3"]]
+    batch, texts = decoder.batch(), []
+    for ids in prompts[:batch_size]:
+        texts.append(ids[0].tolist() + [batch.add(ids)])
+    for _ in range(6):
+        for text, (settled, _) in zip(texts, batch.step(), strict=True):
+            text.extend(settled)
+    proposer = batch.proposers[0]
+    for b, text in enumerate(texts):
+        fresh = EagleProposer(drafter, decoder.target, {1: CHAIN})
+        ids = torch.tensor(text[:-1])
+        states = decoder.target.run(True, input_ids=ids[None])
+        fresh.add(ids, states, text[-1])
+        seen = proposer.seen[b]
+        assert int(seen.sum()) == len(text) - 1 == proposer.positions[b]  # one entry per token after the first
+        torch.testing.assert_close(proposer.keys[b][:, seen], fresh.keys[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(proposer.values[b][:, seen], fresh.values[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(proposer.state[b], fresh.state[0], atol=1e-4, rtol=1e-4)
+        prompt_len = prompts[b].shape[1]
+        assert text[prompt_len:] == reference(model, prompts[b], len(text) - prompt_len)  # and decoding is lossless
+
+
+def test_training_moves_the_drafter_only_and_its_folder_decodes_losslessly(tmp_path, tokenizer):
+    module = HeadsModule(TINY_BASE, head_type="eagle", num_heads=3, lr=1e-2, draft_vocab=100, teacher=True)
+    base_before = {name: tensor.clone() for name, tensor in module.base_model.state_dict().items()}
+    drafter_before = {name: tensor.clone() for name, tensor in module.heads.state_dict().items()}
+    fit = trainer(tmp_path, max_steps=4, limit_val_batches=1)
+    fit.fit(module, HeadsDataModule(TINY_CHAT, TINY_BASE, batch_size=4))
+    for name, tensor in module.base_model.state_dict().items():
+        assert torch.equal(tensor, base_before[name]), name
+    assert module.heads.config.feature_layers == [2]  # a 2-layer base: its last layer's output
+    assert len(module.heads.config.draft_vocab) == 100 and module.heads.config.draft_vocab == sorted(
+        module.heads.config.draft_vocab
+    )
+    for name in ("fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.mlp.down_proj.weight"):
+        assert not torch.equal(module.heads.state_dict()[name], drafter_before[name]), name
+    optimised = {id(p) for group in fit.optimizers[0].param_groups for p in group["params"]}
+    assert optimised == {id(p) for p in module.heads.parameters()}
+    loaded = Drafter.from_pretrained(tmp_path / "heads")
+    decoder = Decoder(module.base_model, tokenizer, loaded.eval(), Tree.from_paths([(0,), (1,), (0, 0)]))
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    result = decoder.generate(PROMPT, max_new_tokens=20)
+    assert result.token_ids == reference(module.base_model, ids, 20)[: len(result.token_ids)]
