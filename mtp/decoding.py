@@ -85,12 +85,14 @@ class Decoder:
             self.plans[rows] = plan_tree, plan_lookup if plan_lookup is not None and plan_lookup.reach else None
         self.tree, self.lookup = self.plans[1]
         self.eos_ids, self.context = self.target.eos_ids, self.target.context
+        self._trees = {}  # each plan's tree cut at each depth, on the model's device, for every batch
 
     def batch(self, sampling: Sampling = GREEDY) -> Batch:
         """An empty batch of rows to decode with this decoder's drafters (see `mtp.batch`)."""
         proposers = []
         if self.heads is not None:
-            proposers.append(self.heads.proposer(self.target, {rows: tree for rows, (tree, _) in self.plans.items()}))
+            trees = {rows: tree for rows, (tree, _) in self.plans.items()}
+            proposers.append(self.heads.proposer(self.target, trees, self._trees))
         if any(lookup for _, lookup in self.plans.values()):
             proposers.append(LookupProposer({rows: lookup for rows, (_, lookup) in self.plans.items()}))
         return Batch(self.target, proposers, sampling)

@@ -39,10 +39,11 @@ class Proposer:
 
 class TreeProposer(Proposer):
     """A drafter that fills a static tree (`plans`: the tree for steps over at least B rows, by B) from the root:
-    the tree of the step's batch size, cut to the room of the row with the least."""
+    the tree of the step's batch size, cut to the room of the row with the least (`cut`: those trees by (B, depth),
+    kept by the caller across batches: cutting one costs more than a small step)."""
 
-    def __init__(self, target: Target, plans: dict[int, Tree]):
-        self.target, self.plans, self._trees = target, plans, {}
+    def __init__(self, target: Target, plans: dict[int, Tree], cut: dict):
+        self.target, self.plans, self._trees = target, plans, cut
 
     def tree(self, rows: int, depth: int) -> Tree:
         batch = max(b for b in self.plans if b <= rows)

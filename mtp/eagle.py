@@ -151,9 +151,9 @@ class Eagle(Drafter):
 
     max_depth = None  # it drafts as deep as a tree asks
 
-    def proposer(self, target: Target, plans: dict[int, Tree]) -> "EagleProposer":
+    def proposer(self, target: Target, plans: dict[int, Tree], cut: dict) -> "EagleProposer":
         """This drafter over the rows of a batch (see `mtp.drafting`), on the trees of `plans`."""
-        return EagleProposer(self, target, plans)
+        return EagleProposer(self, target, plans, cut)
 
     @property
     def draft_ids(self) -> torch.Tensor:
@@ -234,8 +234,8 @@ class EagleProposer(TreeProposer):
 
     name = "eagle"
 
-    def __init__(self, eagle: Eagle, target: Target, plans: dict[int, Tree]):
-        super().__init__(target, plans)
+    def __init__(self, eagle: Eagle, target: Target, plans: dict[int, Tree], cut: dict):
+        super().__init__(target, plans, cut)
         self.eagle, self.layers = eagle, eagle.config.feature_layers
         self.keys = self.values = self.seen = None  # (B, G, S, d) rotated keys, values; (B, S) bool
         self.state = []  # per row, (H,) the output of its root's entry: it scores the root's children

@@ -63,9 +63,9 @@ class Heads(Drafter):
         """The deepest node a tree of these heads may hold: head d - 1 guesses depth d."""
         return self.config.num_heads
 
-    def proposer(self, target: Target, plans: dict[int, Tree]) -> "HeadsProposer":
+    def proposer(self, target: Target, plans: dict[int, Tree], cut: dict) -> "HeadsProposer":
         """These heads drafting over the rows of a batch (see `mtp.drafting`), on the trees of `plans`."""
-        return HeadsProposer(self, target, plans)
+        return HeadsProposer(self, target, plans, cut)
 
     def teacher_forced(self, hidden, features, input_ids, keep, base_lm_head, embed) -> torch.Tensor:
         """Training: every head's logits (K, N, V), or (K, N, D) over the draft vocabulary, at the N positions
@@ -233,8 +233,8 @@ class HeadsProposer(TreeProposer):
 
     name = "heads"
 
-    def __init__(self, heads: Heads, target: Target, plans: dict[int, Tree]):
-        super().__init__(target, plans)
+    def __init__(self, heads: Heads, target: Target, plans: dict[int, Tree], cut: dict):
+        super().__init__(target, plans, cut)
         self.heads, self.hidden = heads, []  # per row, (H,) the hidden state at its last cached position
 
     def add(self, input_ids, states, root):

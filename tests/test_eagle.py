@@ -91,7 +91,7 @@ def test_the_drafters_cache_after_acceptance_equals_a_fresh_run_over_the_accepte
             text.extend(settled)
     proposer = batch.proposers[0]
     for b, text in enumerate(texts):
-        fresh = EagleProposer(drafter, decoder.target, {1: CHAIN})
+        fresh = EagleProposer(drafter, decoder.target, {1: CHAIN}, {})
         ids = torch.tensor(text[:-1])
         states = decoder.target.run(True, input_ids=ids[None])
         fresh.add(ids, states, text[-1])
