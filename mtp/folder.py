@@ -174,13 +174,15 @@ class Drafter(nn.Module):
         (folder / "config.json").write_text(json.dumps(asdict(self.config), indent=2) + "\n")
 
     def save_pretrained(self, folder: str | Path, dtype: torch.dtype | None = None) -> None:
-        """Write `config.json` and the weights (heads only, never base weights), in `dtype` if given (bfloat16 halves
-        them; loading casts them back to the heads' own dtype): `model.safetensors`, or parts of at most
-        SHARD_BYTES each when they are larger (`model-00001-of-00002.safetensors`, ...)."""
+        """Write `config.json` and the weights (heads only, never base weights), the floating-point ones in `dtype`
+        if given (bfloat16 halves them; loading casts them back to the heads' own dtype; ids stay exact):
+        `model.safetensors`, or parts of at most SHARD_BYTES each when they are larger (`model-00001-of-00002...`)."""
         self.save_config(folder)
         parts, size = [{}], 0
         for name, tensor in self.state_dict().items():
-            tensor = tensor.to(dtype or tensor.dtype).contiguous()
+            if dtype is not None and tensor.is_floating_point():  # never the ids of a draft vocabulary
+                tensor = tensor.to(dtype)
+            tensor = tensor.contiguous()
             if parts[-1] and size + tensor.nbytes > SHARD_BYTES:
                 parts, size = [*parts, {}], 0
             parts[-1][name], size = tensor, size + tensor.nbytes

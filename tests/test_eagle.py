@@ -48,6 +48,17 @@ def test_the_parameters_are_named_and_shaped_as_eagle3_checkpoints_have_them(tmp
         assert torch.equal(loaded.state_dict()[name], tensor), name
 
 
+def test_saved_in_bfloat16_the_draft_vocabulary_keeps_its_exact_ids(tmp_path):
+    model = tiny_model()
+    drafter = random_heads(model, head_type="eagle")
+    drafter.set_draft_vocab([511, 257, 300, 301], model)  # offsets 257, 299, 299, 508: not all exact in bfloat16
+    drafter.save_pretrained(tmp_path, dtype=torch.bfloat16)
+    loaded = Drafter.from_pretrained(tmp_path)
+    assert loaded.draft_ids.tolist() == [257, 300, 301, 511]
+    assert loaded.t2d.nonzero()[:, 0].tolist() == [257, 300, 301, 511]
+    assert load_file(tmp_path / "model.safetensors")["fc.weight"].dtype == torch.bfloat16
+
+
 @torch.no_grad()
 def test_decoding_drafts_along_a_chain_what_the_training_time_test_predicts():
     """Both the unrolled training pass and the decoder's level-by-level drafting: at each depth, the same guess
