@@ -16,7 +16,10 @@ k + 1 attends to when decoding (the cache up to its root, its ancestors, itself)
 j + 1, k + 1 tokens past the last true feature: "head k" of the metrics, as for Medusa heads.
 """
 
+from pathlib import Path
+
 import torch
+from safetensors.torch import load_file
 from torch import nn
 from torch.nn import functional as F
 from transformers import LlamaConfig, PreTrainedModel
@@ -136,6 +139,55 @@ class Eagle(Drafter):
             if drafter.lm_head is not None:
                 drafter.lm_head.weight.copy_(base_model.get_output_embeddings().weight[drafter.draft_ids])
         return drafter.to(base_model.dtype)
+
+    @classmethod
+    def from_eagle3(cls, folder: Path, raw: dict) -> "Eagle":
+        """An EAGLE-3 drafter as SafeAILab/EAGLE, vLLM and SGLang lay it out (`config.json` with `draft_vocab_size`;
+        `fc`, `midlayer.*` or `layers.0.*`, `norm`, `lm_head`, `d2t` in `model*.safetensors`), or in vLLM's
+        speculators format (`speculators_config`, the layer's fields in `transformer_layer_config`). Feature layers
+        are read as vLLM reads them (`eagle_aux_hidden_state_layer_ids`: transformers' `hidden_states` indices)."""
+        speculators = "speculators_config" in raw
+        layer = raw["transformer_layer_config"] if speculators else raw
+        variants = [key for key in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+                    if raw.get(key, speculators and key == "norm_before_residual")]  # fmt: skip
+        if variants or layer.get("num_hidden_layers", 1) != 1:
+            what = ", ".join(variants) or "more than one layer"
+            raise ValueError(f"{folder / 'config.json'} describes an EAGLE-3 variant mtp does not build ({what}): "
+                             f"serve it with vLLM or SGLang.")  # fmt: skip
+        ids = raw.get("eagle_aux_hidden_state_layer_ids")
+        if not ids:
+            raise ValueError(f"{folder / 'config.json'} names no feature layers: add `eagle_aux_hidden_state_layer_ids`"
+                             f" (EAGLE-3's default for a base of L layers: [2, L // 2, L - 3]).")  # fmt: skip
+        files = sorted(folder.glob("model*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{folder / 'model.safetensors'} does not exist: an EAGLE-3 drafter keeps its "
+                                    f"weights there.")  # fmt: skip
+        weights = {name.removeprefix("model.").replace("layers.0.", "midlayer.", 1): tensor
+                   for file in files for name, tensor in load_file(file).items()}  # fmt: skip
+        vocab, heads = layer["vocab_size"], layer["num_attention_heads"]
+        d2t = weights.pop("d2t", None)
+        for unused in ("t2d", "embed_tokens.weight"):  # the draft vocabulary is d2t's; embeddings are the base's
+            weights.pop(unused, None)
+        draft = None if d2t is None else (d2t + torch.arange(len(d2t))).tolist()
+        rope = {"rope_type": "default", "rope_theta": float(layer.get("rope_theta") or 10000.0)}
+        shape = {name: layer[name] for name in ("hidden_size", "num_attention_heads", "intermediate_size")}
+        shape |= {"num_key_value_heads": layer.get("num_key_value_heads") or heads,
+                  "head_dim": layer.get("head_dim") or layer["hidden_size"] // heads,
+                  "hidden_act": layer.get("hidden_act", "silu"), "rms_norm_eps": layer.get("rms_norm_eps", 1e-6),
+                  "rope_parameters": rope,
+                  "max_position_embeddings": layer.get("max_position_embeddings", 4096)}  # fmt: skip
+        tokens = raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"] if speculators else 3
+        base = raw["speculators_config"]["verifier"].get("name_or_path", "") if speculators else ""
+        config = HeadsConfig(num_heads=tokens, head_type="eagle", lm_head="own", base_model=base or "",
+                             hidden_size=raw.get("target_hidden_size") or layer["hidden_size"], vocab_size=vocab,
+                             draft_vocab=draft, feature_layers=list(ids), draft_layer=shape)  # fmt: skip
+        drafter = cls(config)
+        drafter.folder = folder
+        missing, unexpected = drafter.load_state_dict(weights | {"d2t": drafter.d2t, "t2d": drafter.t2d}, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{folder} is not an EAGLE-3 drafter of this shape: missing {missing[:3]}, unexpected "
+                             f"{unexpected[:3]}.")  # fmt: skip
+        return drafter
 
     def set_draft_vocab(self, ids: list[int], base_model: PreTrainedModel) -> None:
         """Draft among `ids` (kept in id order, as EAGLE-3's d2t has them); an own lm_head restarts as the base's

@@ -1,6 +1,7 @@
 """Export heads for serving elsewhere, or publish them.
 
     python -m mtp.export --heads HEADS --to vllm --out DIR
+    python -m mtp.export --heads EAGLE_DRAFTER --to eagle3 --out DIR      # or --to speculators
     python -m mtp.export --heads HEADS --to hub --repo OWNER/NAME --data "..." --tau "..."
 
 `vllm`: the layout of vLLM's Medusa draft model (`vllm/model_executor/models/medusa.py` and its `MedusaConfig`):
@@ -13,6 +14,25 @@ projections). vLLM's Medusa model reads the hidden state alone, so Hydra heads, 
 path, cannot be exported to it. Serve (vLLM, on a GPU; not run here):
 
     vllm serve BASE --speculative-config '{"method": "medusa", "model": "DIR", "num_speculative_tokens": 4}'
+
+`eagle3`: a feature-level drafter (`head_type: eagle`) in EAGLE-3's checkpoint layout, which vLLM
+(`vllm/model_executor/models/llama_eagle3.py`) and SGLang (`python/sglang/srt/models/llama_eagle3.py`) load:
+`config.json` with `architectures: ["LlamaForCausalLMEagle3"]`, the layer's Llama fields, `draft_vocab_size`,
+`target_hidden_size` and the feature layers; `model.safetensors` with `fc`, `midlayer.*`, `norm`, `lm_head` (the
+draft vocabulary's rows: those of the base model's lm_head for a drafter that shares it) and, when the draft
+vocabulary is smaller than the base's, `d2t` and `t2d`. No `embed_tokens`: both engines take the base model's.
+The engines count the feature layers differently: vLLM's id k is the input of decoder layer k (transformers'
+`hidden_states[k]`, as `feature_layers` counts), SGLang's id v the output of layer v (`hidden_states[v + 1]`);
+vLLM reads the top-level `eagle_aux_hidden_state_layer_ids` first and SGLang only `eagle_config`'s, so the first
+holds our ids and the second our ids less one. `speculators`: the same drafter in vLLM's `speculators` format
+(`speculators_model_type: eagle3`, its `speculators_config` with a greedy proposal of as many tokens as the
+deepest path of the drafter's sized tree, the verifier, `transformer_layer_config`; weights named `layers.0.*`).
+Serve (vLLM and SGLang, on a GPU; not run here):
+
+    vllm serve BASE --speculative-config '{"method": "eagle3", "model": "DIR", "num_speculative_tokens": 3}'
+    python -m sglang.launch_server --model-path BASE --speculative-algorithm EAGLE3 \
+        --speculative-draft-model-path DIR --speculative-num-steps 3 --speculative-eagle-topk 1 \
+        --speculative-num-draft-tokens 4
 
 `hub`: the heads folder as it is, with a model card (README.md) that states the base model, the heads, the data
 they learned (--data), their calibration, the tree and lookup sized for them, and the tau measured with them
@@ -37,6 +57,9 @@ from mtp.folder import Drafter
 def to_vllm(heads: Drafter, base_lm_head: torch.Tensor, out: str | Path) -> Path:
     """Write `heads` in vLLM's Medusa layout into `out`; `base_lm_head` (V, H): the base model's lm_head weight."""
     config = heads.config
+    if config.head_type == "eagle":
+        raise ValueError("A feature-level drafter is served as EAGLE-3 drafters are: export it with --to eagle3 "
+                         "(vLLM and SGLang) or --to speculators (vLLM).")  # fmt: skip
     if heads.reads_path:
         raise ValueError(
             f"{config.head_type} heads read the candidate path, which vLLM's Medusa model cannot give them: "
@@ -75,6 +98,67 @@ def to_vllm(heads: Drafter, base_lm_head: torch.Tensor, out: str | Path) -> Path
         "base_model_name_or_path": config.base_model,
     }
     (out / "config.json").write_text(json.dumps(vllm_config, indent=2) + "\n")
+    return out
+
+
+def to_eagle3(drafter: Drafter, base_model, out: str | Path, speculators: bool = False) -> Path:
+    """Write a feature-level drafter in EAGLE-3's layout (or, with `speculators`, vLLM's speculators format) into
+    `out`; `base_model`: the base it drafts for (its lm_head rows, its architecture)."""
+    config = drafter.config
+    if config.head_type != "eagle":
+        hint = "export Medusa heads with --to vllm" if config.head_type == "medusa" else "decode them with mtp"
+        raise ValueError(f"{config.head_type} heads are not a feature-level drafter, the only kind EAGLE-3's layout "
+                         f"holds: {hint}, or train one with --model.head_type eagle.")  # fmt: skip
+    if config.adapter:
+        raise ValueError("This drafter decodes with its base model adapted (a LoRA adapter beside it); the engines "
+                         "serve a drafter beside an unchanged base: decode it with mtp.")  # fmt: skip
+    if 0 in config.feature_layers:
+        raise ValueError("feature_layers holds 0 (the input embeddings), which SGLang's layer ids cannot name: "
+                         "train the drafter on decoder layers' outputs (ids from 1).")  # fmt: skip
+    layer = config.draft_layer
+    rope = layer["rope_parameters"]
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"The drafter's rotary embedding is {rope['rope_type']!r}; EAGLE-3 exports write the default "
+                         f"one only: decode it with mtp.")  # fmt: skip
+    draft = drafter.draft_ids
+    rows = drafter.lm_head.weight if drafter.lm_head is not None else base_model.get_output_embeddings().weight[draft]
+    tensors = {name: tensor for name, tensor in drafter.state_dict().items() if name not in ("d2t", "t2d")}
+    tensors["lm_head.weight"] = rows
+    if len(draft) < config.vocab_size:  # the engines expect no d2t for a draft vocabulary of every token
+        tensors |= {"d2t": drafter.d2t, "t2d": drafter.t2d}
+    if speculators:
+        tensors = {name.replace("midlayer.", "layers.0.", 1): tensor for name, tensor in tensors.items()}
+    dtype = next(iter(tensors.values())).dtype
+    fields = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "hidden_act", "rms_norm_eps", "max_position_embeddings")  # fmt: skip
+    llama = {"model_type": "llama", **{name: layer[name] for name in fields}, "rope_theta": rope["rope_theta"],
+             "rope_scaling": None, "num_hidden_layers": 1, "vocab_size": config.vocab_size,
+             "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+             "torch_dtype": str(dtype).removeprefix("torch.")}  # fmt: skip
+    shared = {"draft_vocab_size": len(draft), "target_hidden_size": config.hidden_size, "norm_before_residual": False,
+              "eagle_aux_hidden_state_layer_ids": list(config.feature_layers)}  # fmt: skip
+    if speculators:
+        depth = max((len(path) for path in config.tree or []), default=0) or config.num_heads  # the sized tree's
+        architectures = base_model.config.architectures or [type(base_model).__name__]
+        verifier = {"name_or_path": config.base_model, "architectures": architectures}
+        exported = {
+            "speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+            "speculators_config": {
+                "algorithm": "eagle3", "default_proposal_method": "greedy", "verifier": verifier,
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": depth, "verifier_accept_k": 1,
+                                      "accept_tolerance": 0.0}],
+            },
+            "transformer_layer_config": llama, **shared,
+            "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+        }  # fmt: skip
+    else:
+        ids = [i - 1 for i in config.feature_layers]  # SGLang: the decoder layer whose output it reads
+        sglang = {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": ids}
+        exported = {"architectures": ["LlamaForCausalLMEagle3"], **llama, **shared, "eagle_config": sglang}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({name: tensor.detach().contiguous() for name, tensor in tensors.items()}, out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(exported, indent=2) + "\n")
     return out
 
 
@@ -129,14 +213,19 @@ def to_hub(heads_path: str, repo_id: str, data: str, tau: str, private: bool = F
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", required=True, help="heads folder")
-    parser.add_argument("--to", required=True, choices=["vllm", "hub"], help="vLLM's layout, or the Hub")
-    parser.add_argument("--out", help="--to vllm: the folder to write")
+    parser.add_argument(
+        "--to",
+        required=True,
+        choices=["vllm", "eagle3", "speculators", "hub"],
+        help="vLLM's Medusa layout, EAGLE-3's (vLLM, SGLang), vLLM's speculators format, or the Hub",
+    )
+    parser.add_argument("--out", help="--to vllm, eagle3, speculators: the folder to write")
     parser.add_argument("--repo", help="--to hub: the repository id, OWNER/NAME")
     parser.add_argument("--data", help="--to hub: what the heads learned, for the model card")
     parser.add_argument("--tau", help="--to hub: the tau measured with them and how, for the model card")
     parser.add_argument("--private", action="store_true", help="--to hub: a private repository")
     args = parser.parse_args()
-    needed = ["out"] if args.to == "vllm" else ["repo", "data", "tau"]
+    needed = ["repo", "data", "tau"] if args.to == "hub" else ["out"]
     missing = [f"--{name}" for name in needed if not getattr(args, name)]
     if missing:
         parser.error(f"--to {args.to} needs {', '.join(missing)}")
@@ -146,8 +235,11 @@ def main() -> None:
     heads = Drafter.from_pretrained(args.heads)
     model, tokenizer = load_base(heads.config.base_model)
     heads.check_base(heads.config.base_model, model, tokenizer)
-    out = to_vllm(heads, model.get_output_embeddings().weight, args.out)
-    print(f"Wrote vLLM Medusa heads to {out}")
+    if args.to == "vllm":
+        print(f"Wrote vLLM Medusa heads to {to_vllm(heads, model.get_output_embeddings().weight, args.out)}")
+    else:
+        out = to_eagle3(heads, model, args.out, speculators=args.to == "speculators")
+        print(f"Wrote the drafter in {'speculators' if args.to == 'speculators' else 'EAGLE-3'} format to {out}")
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ class HeadsConfig:
     feature_layers: list[int] = field(default_factory=list)
     """For a drafter that reads the base model's features (`eagle`): the indices of the hidden states it reads
     (as transformers' `output_hidden_states` counts them: 0 the input embeddings, i the output of decoder layer
-    i - 1, as vLLM and SGLang count EAGLE-3's layer ids), fused by its `fc`."""
+    i - 1, as vLLM counts EAGLE-3's layer ids; SGLang's are one less), fused by its `fc`."""
     draft_layer: dict = field(default_factory=dict)
     """For `eagle`: the shape of its decoder layer (a `LlamaConfig`'s fields, copied from the base model)."""
 
@@ -194,9 +194,9 @@ class Drafter(nn.Module):
 
     @staticmethod
     def from_pretrained(folder: str | Path) -> "Drafter":
-        """Heads saved by `save_pretrained`, of the kind their config names (`head_type`), or a FasterDecoding
-        Medusa checkpoint (see `mtp.heads.MedusaHeads.from_faster_decoding`); `folder` may also be a Hub repository
-        id that holds one."""
+        """Heads saved by `save_pretrained`, of the kind their config names (`head_type`), a FasterDecoding
+        Medusa checkpoint (see `mtp.heads.MedusaHeads.from_faster_decoding`) or an EAGLE-3 drafter (see
+        `mtp.eagle.Eagle.from_eagle3`); `folder` may also be a Hub repository id that holds one."""
         folder = Path(folder) if Path(folder).is_dir() or not is_repo_id(str(folder)) else from_hub(str(folder))
         if not (folder / "config.json").is_file():
             raise FileNotFoundError(f"{folder / 'config.json'} does not exist: point at a folder of heads.")
@@ -205,6 +205,8 @@ class Drafter(nn.Module):
 
         if "medusa_num_heads" in raw:
             return DRAFTERS["medusa"].from_faster_decoding(folder, raw)
+        if "draft_vocab_size" in raw:  # an EAGLE-3 checkpoint, or vLLM's speculators format
+            return DRAFTERS["eagle"].from_eagle3(folder, raw)
         files = sorted(folder.glob("model*.safetensors"))
         if not files:
             raise FileNotFoundError(
