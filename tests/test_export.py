@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 from torch.nn import functional as F
 
+import mtp
 import mtp.export
 from mtp.base import load_tokenizer
 from mtp.decoding import Decoder
@@ -294,3 +295,10 @@ def test_what_eagle3_cannot_hold_is_refused_with_the_alternative(tmp_path):
         (tmp_path / "e" / "config.json").write_text(json.dumps(config | change))
         with pytest.raises(ValueError, match=message):
             Drafter.from_pretrained(tmp_path / "e")
+
+
+def test_an_imported_drafter_without_a_base_model_asks_for_one(tmp_path):
+    model = tiny_model()
+    out = mtp.export.to_eagle3(eagle_drafter(model, "shared", True), model, tmp_path / "out")
+    with pytest.raises(ValueError, match="names no base model.*--base-model"):
+        mtp.load(str(out))
