@@ -40,9 +40,6 @@ def load(
     """
     heads = Drafter.from_pretrained(heads_path)
     name = base_model or heads.config.base_model
-    if not name:
-        raise ValueError(f"{heads_path} names no base model (an imported checkpoint that does not record it): give "
-                         f"the base it drafts for (decode.py --base-model, mtp.load's base_model).")  # fmt: skip
     model, tokenizer = load_base(name, device=device, dtype=dtype)
     heads.check_base(name, model, tokenizer)
     model = heads.adapt(model)

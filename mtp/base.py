@@ -40,6 +40,9 @@ def load_base(
             (`mtp.linears.fast_linears`, measured once per machine); training, whose batches take the usual
             product anyway, passes False.
     """
+    if not name:
+        raise ValueError("No base model named (heads imported from a checkpoint that does not record theirs): give the "
+                         "base they draft for (decode.py --base-model, mtp.load's base_model).")  # fmt: skip
     path = Path(name).expanduser()
     if path.suffix == ".json":
         _require_file(path, "Model config file")
@@ -56,6 +59,9 @@ def load_base(
 
 def load_tokenizer(name: str = DEFAULT_BASE) -> PreTrainedTokenizerBase:
     """The tokenizer that `load_base(name)` returns, without loading the weights."""
+    if not name:
+        raise ValueError("No base model named (heads imported from a checkpoint that does not record theirs): give the "
+                         "base they draft for (decode.py --base-model, mtp.load's base_model).")  # fmt: skip
     path = Path(name).expanduser()
     if path.suffix == ".json":
         _require_file(path, "Model config file")

@@ -45,9 +45,8 @@ def layer_shape(model: PreTrainedModel) -> dict:
         "intermediate_size": config.intermediate_size,
         "hidden_act": getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", "silu"),
         "rms_norm_eps": getattr(config, "rms_norm_eps", None) or 1e-6,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}
-        | {k: v for k, v in (getattr(config, "rope_parameters", None) or {}).items() if k in ("rope_type", "rope_theta")
-           and v is not None},
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}  # the base's, scaling included
+        | {k: v for k, v in (getattr(config, "rope_parameters", None) or {}).items() if v is not None},
         "max_position_embeddings": getattr(config, "max_position_embeddings", None) or 4096,
     }  # fmt: skip
 
@@ -159,17 +158,26 @@ class Eagle(Drafter):
             raise ValueError(f"{folder / 'config.json'} names no feature layers: add `eagle_aux_hidden_state_layer_ids`"
                              f" (EAGLE-3's default for a base of L layers: [2, L // 2, L - 3]).")  # fmt: skip
         files = sorted(folder.glob("model*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{folder / 'model.safetensors'} does not exist: an EAGLE-3 drafter keeps its "
-                                    f"weights there.")  # fmt: skip
+        if files:
+            stored = {name: tensor for file in files for name, tensor in load_file(file).items()}
+        elif (folder / "pytorch_model.bin").is_file():  # as SafeAILab/EAGLE's published drafters are stored
+            stored = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        else:
+            raise FileNotFoundError(f"{folder / 'model.safetensors'} (or pytorch_model.bin) does not exist: an "
+                                    f"EAGLE-3 drafter keeps its weights there.")  # fmt: skip
         weights = {name.removeprefix("model.").replace("layers.0.", "midlayer.", 1): tensor
-                   for file in files for name, tensor in load_file(file).items()}  # fmt: skip
+                   for name, tensor in stored.items()}  # fmt: skip
         vocab, heads = layer["vocab_size"], layer["num_attention_heads"]
         d2t = weights.pop("d2t", None)
         for unused in ("t2d", "embed_tokens.weight"):  # the draft vocabulary is d2t's; embeddings are the base's
             weights.pop(unused, None)
         draft = None if d2t is None else (d2t + torch.arange(len(d2t))).tolist()
-        rope = {"rope_type": "default", "rope_theta": float(layer.get("rope_theta") or 10000.0)}
+        if draft is not None and any(a >= b for a, b in zip(draft, draft[1:], strict=False)):
+            raise ValueError(f"{folder}: its d2t does not map draft ids to increasing target ids, as EAGLE-3's does: "
+                             f"not an EAGLE-3 draft vocabulary.")  # fmt: skip
+        scaling = layer.get("rope_parameters") or layer.get("rope_scaling") or {}
+        rope = {"rope_type": scaling.get("type", "default"), "rope_theta": float(layer.get("rope_theta") or 10000.0)}
+        rope |= {k: v for k, v in scaling.items() if k != "type" and v is not None}
         shape = {name: layer[name] for name in ("hidden_size", "num_attention_heads", "intermediate_size")}
         shape |= {"num_key_value_heads": layer.get("num_key_value_heads") or heads,
                   "head_dim": layer.get("head_dim") or layer["hidden_size"] // heads,
@@ -183,7 +191,14 @@ class Eagle(Drafter):
                              draft_vocab=draft, feature_layers=list(ids), draft_layer=shape)  # fmt: skip
         drafter = cls(config)
         drafter.folder = folder
-        missing, unexpected = drafter.load_state_dict(weights | {"d2t": drafter.d2t, "t2d": drafter.t2d}, strict=False)
+        try:
+            missing, unexpected = drafter.load_state_dict(
+                weights | {"d2t": drafter.d2t, "t2d": drafter.t2d}, strict=False
+            )
+        except RuntimeError as error:  # a shape that its config does not describe
+            raise ValueError(
+                f"{folder}'s weights do not fit its config.json: {str(error).splitlines()[-1].strip()}"
+            ) from None
         if missing or unexpected:
             raise ValueError(f"{folder} is not an EAGLE-3 drafter of this shape: missing {missing[:3]}, unexpected "
                              f"{unexpected[:3]}.")  # fmt: skip

@@ -112,14 +112,18 @@ def to_eagle3(drafter: Drafter, base_model, out: str | Path, speculators: bool =
     if config.adapter:
         raise ValueError("This drafter decodes with its base model adapted (a LoRA adapter beside it); the engines "
                          "serve a drafter beside an unchanged base: decode it with mtp.")  # fmt: skip
-    if 0 in config.feature_layers:
-        raise ValueError("feature_layers holds 0 (the input embeddings), which SGLang's layer ids cannot name: "
-                         "train the drafter on decoder layers' outputs (ids from 1).")  # fmt: skip
+    ids, depth = config.feature_layers, base_model.config.get_text_config(decoder=True).num_hidden_layers
+    if not (0 < ids[0] and ids[-1] < depth and ids == sorted(set(ids))):
+        raise ValueError(f"feature_layers {ids}: the engines read the inputs of decoder layers 1 .. {depth - 1}, in "
+                         f"increasing order (SGLang counts the output of the layer before; transformers' last hidden "
+                         f"state, {depth}, is after the final norm, which no engine taps): train the drafter on such "
+                         f"layers (EAGLE-3's default: 2, L // 2, L - 3).")  # fmt: skip
     layer = config.draft_layer
-    rope = layer["rope_parameters"]
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"The drafter's rotary embedding is {rope['rope_type']!r}; EAGLE-3 exports write the default "
-                         f"one only: decode it with mtp.")  # fmt: skip
+    if layer["hidden_act"] != "silu":
+        raise ValueError(f"The drafter's MLP uses {layer['hidden_act']!r}; the engines' EAGLE-3 layer is a SiLU "
+                         f"Llama layer: decode it with mtp.")  # fmt: skip
+    rope = dict(layer["rope_parameters"])
+    theta = rope.pop("rope_theta")
     draft = drafter.draft_ids
     rows = drafter.lm_head.weight if drafter.lm_head is not None else base_model.get_output_embeddings().weight[draft]
     tensors = {name: tensor for name, tensor in drafter.state_dict().items() if name not in ("d2t", "t2d")}
@@ -131,12 +135,13 @@ def to_eagle3(drafter: Drafter, base_model, out: str | Path, speculators: bool =
     dtype = next(iter(tensors.values())).dtype
     fields = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
               "hidden_act", "rms_norm_eps", "max_position_embeddings")  # fmt: skip
-    llama = {"model_type": "llama", **{name: layer[name] for name in fields}, "rope_theta": rope["rope_theta"],
-             "rope_scaling": None, "num_hidden_layers": 1, "vocab_size": config.vocab_size,
+    llama = {"model_type": "llama", **{name: layer[name] for name in fields}, "rope_theta": theta,
+             "rope_scaling": None if rope["rope_type"] == "default" else rope, "num_hidden_layers": 1,
+             "vocab_size": config.vocab_size,
              "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
              "torch_dtype": str(dtype).removeprefix("torch.")}  # fmt: skip
     shared = {"draft_vocab_size": len(draft), "target_hidden_size": config.hidden_size, "norm_before_residual": False,
-              "eagle_aux_hidden_state_layer_ids": list(config.feature_layers)}  # fmt: skip
+              "eagle_aux_hidden_state_layer_ids": list(ids), "num_aux_hidden_states": len(ids)}  # fmt: skip
     if speculators:
         depth = max((len(path) for path in config.tree or []), default=0) or config.num_heads  # the sized tree's
         architectures = base_model.config.architectures or [type(base_model).__name__]
@@ -152,8 +157,7 @@ def to_eagle3(drafter: Drafter, base_model, out: str | Path, speculators: bool =
             "norm_before_fc": False, "fc_norm": False, "norm_output": False,
         }  # fmt: skip
     else:
-        ids = [i - 1 for i in config.feature_layers]  # SGLang: the decoder layer whose output it reads
-        sglang = {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": ids}
+        sglang = {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids]}  # its count
         exported = {"architectures": ["LlamaForCausalLMEagle3"], **llama, **shared, "eagle_config": sglang}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -233,7 +237,7 @@ def main() -> None:
         print(f"Uploaded {args.heads} to {to_hub(args.heads, args.repo, args.data, args.tau, args.private)}")
         return
     heads = Drafter.from_pretrained(args.heads)
-    model, tokenizer = load_base(heads.config.base_model)
+    model, tokenizer = load_base(heads.config.base_model, fast=False)
     heads.check_base(heads.config.base_model, model, tokenizer)
     if args.to == "vllm":
         print(f"Wrote vLLM Medusa heads to {to_vllm(heads, model.get_output_embeddings().weight, args.out)}")

@@ -14,7 +14,8 @@ import mtp
 import mtp.export
 from mtp.base import load_tokenizer
 from mtp.decoding import Decoder
-from mtp.folder import Drafter
+from mtp.eagle import Eagle
+from mtp.folder import Drafter, HeadsConfig
 from tests.conftest import TINY_BASE
 from tests.test_decoding import PROMPT, TREE, random_heads, reference, tiny_model
 from tests.test_stopping import save_random_heads
@@ -89,7 +90,11 @@ def test_hydra_heads_are_refused_with_the_reason(tmp_path, monkeypatch, capsys):
                                                   ("eagle3", "eagle", "EAGLE-3"),
                                                   ("speculators", "eagle", "speculators")])  # fmt: skip
 def test_the_command_writes_the_folder(tmp_path, monkeypatch, capsys, to, head_type, says):
-    path, _, _ = save_random_heads(tmp_path, head_type=head_type)
+    path, model, _ = save_random_heads(tmp_path, head_type=head_type)
+    if head_type == "eagle":  # the engines tap the inputs of layers 1 .. L - 1: layer 1 of the 2-layer model
+        config = Drafter.from_pretrained(path).config
+        config.feature_layers = [1]
+        Eagle.new(config, model).save_pretrained(path)
     monkeypatch.setattr(sys, "argv", ["mtp.export", "--heads", path, "--to", to, "--out", str(tmp_path / "out")])
     mtp.export.main()
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
@@ -154,7 +159,12 @@ def eagle3_parameters(config: dict, layer: dict, prefix: str) -> dict[str, tuple
     """The shapes the engines build for an EAGLE-3 drafter of `config` (layer fields in `layer`), by name."""
     hidden, heads, kv = layer["hidden_size"], layer["num_attention_heads"], layer["num_key_value_heads"]
     d, mlp, draft = layer["head_dim"], layer["intermediate_size"], config["draft_vocab_size"]
-    aux = len(config["eagle_aux_hidden_state_layer_ids"])
+    # vLLM sizes fc by num_aux_hidden_states, else by eagle_config's ids, else for 3 layers
+    aux = (
+        config.get("num_aux_hidden_states")
+        or len(config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids", []))
+        or 3
+    )
     shapes = [(hidden,), (hidden,), (hidden,), (heads * d, 2 * hidden), (kv * d, 2 * hidden), (kv * d, 2 * hidden),
               (hidden, heads * d), (mlp, hidden), (mlp, hidden), (hidden, mlp)]  # fmt: skip
     names = {f"{prefix}{name}.weight": shape for name, shape in zip(EAGLE3_LAYER, shapes, strict=True)}
@@ -202,14 +212,14 @@ def eagle3_step(w: dict, layer: dict, prefix: str, feature, embedding, positions
     return rms(hidden, w["norm.weight"], eps) @ w["lm_head.weight"].T, hidden, (keys, values)
 
 
-def eagle_drafter(model, lm_head: str, draft: bool):
-    drafter = random_heads(model, num_heads=3, head_type="eagle")
-    if lm_head == "own":
-        config = drafter.config
-        config.lm_head = "own"
-        own = type(drafter).new(config, model)
-        own.load_state_dict(drafter.state_dict() | {"lm_head.weight": torch.randn(config.vocab_size, 64)})
-        drafter = own
+def eagle_drafter(model, lm_head: str, draft: bool, feature_layers=(1, 2, 3)):
+    """A random feature-level drafter of a 4-layer tiny model, reading the inputs of its layers 1, 2 and 3."""
+    torch.manual_seed(1)
+    config = HeadsConfig(num_heads=3, head_type="eagle", lm_head=lm_head, hidden_size=64, vocab_size=512,
+                         feature_layers=list(feature_layers))  # fmt: skip
+    drafter = Eagle.new(config, model)
+    for parameter in drafter.parameters():
+        torch.nn.init.normal_(parameter, std=0.5)
     if draft:
         drafter.set_draft_vocab(list(range(3, 500, 3)), model)
     drafter.config.tree = [[0], [0, 0], [1]]
@@ -219,7 +229,7 @@ def eagle_drafter(model, lm_head: str, draft: bool):
 @pytest.mark.parametrize("speculators", [False, True], ids=["eagle3", "speculators"])
 @pytest.mark.parametrize("lm_head, draft", [("shared", True), ("own", False)], ids=["shared-draft", "own-full"])
 def test_an_eagle3_export_is_what_the_engines_load_and_drafts_what_ours_does(tmp_path, speculators, lm_head, draft):
-    model = tiny_model()
+    model = tiny_model(num_hidden_layers=4)
     drafter = eagle_drafter(model, lm_head, draft)
     out = mtp.export.to_eagle3(drafter, model, tmp_path / "out", speculators=speculators)
     config = json.loads((out / "config.json").read_text())
@@ -228,7 +238,7 @@ def test_an_eagle3_export_is_what_the_engines_load_and_drafts_what_ours_does(tmp
     prefix = "layers.0." if speculators else "midlayer."
     assert {n: tuple(w.shape) for n, w in weights.items()} == eagle3_parameters(config, layer, prefix)
     assert config["draft_vocab_size"] == (166 if draft else 512) and layer["vocab_size"] == 512
-    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2] and config["norm_before_residual"] is False
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3] and config["norm_before_residual"] is False
     if speculators:
         spec = config["speculators_config"]
         assert config["speculators_model_type"] == spec["algorithm"] == "eagle3"
@@ -246,7 +256,7 @@ def test_an_eagle3_export_is_what_the_engines_load_and_drafts_what_ours_does(tmp
     ids = torch.randint(1, 512, (1, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         states = model(ids, output_hidden_states=True).hidden_states  # vLLM's id k: hidden_states[k]
-        features = torch.cat([states[k][0] for k in config["eagle_aux_hidden_state_layer_ids"]], -1)  # (T, 2H)
+        features = torch.cat([states[k][0] for k in config["eagle_aux_hidden_state_layer_ids"]], -1)  # (T, 3H)
         embed = model.get_input_embeddings()
         # the engines' first step: entry j pairs the feature at j - 1 with token j (positions: any common offset)
         fused = F.linear(features[:-1], weights["fc.weight"])
@@ -262,13 +272,13 @@ def test_an_eagle3_export_is_what_the_engines_load_and_drafts_what_ours_does(tmp
 
 @pytest.mark.parametrize("speculators", [False, True], ids=["eagle3", "speculators"])
 def test_an_eagle3_checkpoint_loads_as_a_drafter_and_decodes_losslessly(tmp_path, speculators):
-    model = tiny_model()
+    model = tiny_model(num_hidden_layers=4)
     drafter = eagle_drafter(model, "shared", draft=True)
     out = mtp.export.to_eagle3(drafter, model, tmp_path / "out", speculators=speculators)
     loaded = Drafter.from_pretrained(out)
-    assert loaded.config.head_type == "eagle" and loaded.config.feature_layers == [1, 2]
+    assert loaded.config.head_type == "eagle" and loaded.config.feature_layers == [1, 2, 3]
     assert loaded.draft_ids.tolist() == drafter.draft_ids.tolist() and loaded.config.lm_head == "own"
-    features = torch.randn(1, 6, 128, generator=torch.Generator().manual_seed(0))
+    features = torch.randn(1, 6, 192, generator=torch.Generator().manual_seed(0))
     ids = torch.randint(1, 512, (1, 6), generator=torch.Generator().manual_seed(1))
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
     with torch.no_grad():
@@ -280,13 +290,16 @@ def test_an_eagle3_checkpoint_loads_as_a_drafter_and_decodes_losslessly(tmp_path
 
 
 def test_what_eagle3_cannot_hold_is_refused_with_the_alternative(tmp_path):
-    model = tiny_model()
+    model = tiny_model(num_hidden_layers=4)
     with pytest.raises(ValueError, match="--to vllm"):
         mtp.export.to_eagle3(random_heads(model), model, tmp_path / "medusa")
     with pytest.raises(ValueError, match="decode them with mtp"):
         mtp.export.to_eagle3(random_heads(model, head_type="hydra"), model, tmp_path / "hydra")
     with pytest.raises(ValueError, match="--to eagle3"):
         mtp.export.to_vllm(random_heads(model, head_type="eagle"), model.get_output_embeddings().weight, tmp_path / "v")
+    for layers in [(0, 2), (1, 4), (3, 2)]:  # the embeddings; the last, post-norm state; not increasing
+        with pytest.raises(ValueError, match="feature_layers"):
+            mtp.export.to_eagle3(eagle_drafter(model, "shared", True, layers), model, tmp_path / "layers")
     assert not any(tmp_path.iterdir())
     config = json.loads((mtp.export.to_eagle3(eagle_drafter(model, "shared", True), model, tmp_path / "e") /
                          "config.json").read_text())  # fmt: skip
@@ -298,7 +311,32 @@ def test_what_eagle3_cannot_hold_is_refused_with_the_alternative(tmp_path):
 
 
 def test_an_imported_drafter_without_a_base_model_asks_for_one(tmp_path):
-    model = tiny_model()
+    model = tiny_model(num_hidden_layers=4)
     out = mtp.export.to_eagle3(eagle_drafter(model, "shared", True), model, tmp_path / "out")
-    with pytest.raises(ValueError, match="names no base model.*--base-model"):
+    with pytest.raises(ValueError, match="No base model named.*--base-model"):
         mtp.load(str(out))
+
+
+def test_a_scaled_rotary_embedding_goes_through_export_and_import(tmp_path):
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }  # Llama-3.1's kind, scaled down
+    model = tiny_model(num_hidden_layers=4, rope_parameters=rope)
+    drafter = eagle_drafter(model, "shared", True)
+    out = mtp.export.to_eagle3(drafter, model, tmp_path / "out")
+    config = json.loads((out / "config.json").read_text())
+    assert config["rope_theta"] == 500000.0 and config["rope_scaling"] == {
+        k: v for k, v in rope.items() if k != "rope_theta"
+    }
+    loaded = Drafter.from_pretrained(out)
+    features = torch.randn(1, 80, 192, generator=torch.Generator().manual_seed(0))  # past the original 64
+    ids = torch.randint(1, 512, (1, 80), generator=torch.Generator().manual_seed(1))
+    embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.logits(loaded.unroll(features, ids, embed, 2), lm_head),
+                                   drafter.logits(drafter.unroll(features, ids, embed, 2), lm_head))  # fmt: skip
