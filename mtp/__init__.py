@@ -25,7 +25,8 @@ def load(
 
     Args:
         heads_path: a folder written at the end of training (`config.json` + `model.safetensors`), a
-            FasterDecoding Medusa checkpoint folder, or the Hub repository id (`owner/name`) of either.
+            FasterDecoding Medusa checkpoint folder, an EAGLE-3 drafter's folder, or the Hub repository id
+            (`owner/name`) of one.
         device: torch device.
         dtype: parameter dtype of the base model and heads.
         tree: a named tree (see `mtp.tree.NAMED_TREES`) or a number N, the N-node tree grown from the heads'
