@@ -30,6 +30,11 @@ from mtp.folder import Drafter, HeadsConfig
 from mtp.target import Target
 from mtp.tree import Tree
 
+# the base's rotary settings the drafter's layer takes: its type, theta and scaling (not a partial rotary factor:
+# the drafter rotates whole heads)
+ROPE_KEYS = ("rope_type", "rope_theta", "factor", "original_max_position_embeddings", "low_freq_factor",
+             "high_freq_factor", "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim")  # fmt: skip
+
 
 def layer_shape(model: PreTrainedModel) -> dict:
     """The drafter layer's shape, copied from the base model's decoder layers (the attention heads, the MLP, the
@@ -45,8 +50,9 @@ def layer_shape(model: PreTrainedModel) -> dict:
         "intermediate_size": config.intermediate_size,
         "hidden_act": getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", "silu"),
         "rms_norm_eps": getattr(config, "rms_norm_eps", None) or 1e-6,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}  # the base's, scaling included
-        | {k: v for k, v in (getattr(config, "rope_parameters", None) or {}).items() if v is not None},
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}
+        | {k: v for k, v in (getattr(config, "rope_parameters", None) or {}).items()
+           if k in ROPE_KEYS and v is not None},
         "max_position_embeddings": getattr(config, "max_position_embeddings", None) or 4096,
     }  # fmt: skip
 
@@ -177,7 +183,7 @@ class Eagle(Drafter):
                              f"not an EAGLE-3 draft vocabulary.")  # fmt: skip
         scaling = layer.get("rope_parameters") or layer.get("rope_scaling") or {}
         rope = {"rope_type": scaling.get("type", "default"), "rope_theta": float(layer.get("rope_theta") or 10000.0)}
-        rope |= {k: v for k, v in scaling.items() if k != "type" and v is not None}
+        rope |= {k: v for k, v in scaling.items() if k in ROPE_KEYS and v is not None}
         shape = {name: layer[name] for name in ("hidden_size", "num_attention_heads", "intermediate_size")}
         shape |= {"num_key_value_heads": layer.get("num_key_value_heads") or heads,
                   "head_dim": layer.get("head_dim") or layer["hidden_size"] // heads,
