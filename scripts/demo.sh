@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
-# The whole loop in about 5 minutes on a 2-core CPU: set up (or reuse) the environment; train Hydra heads briefly on
-# the packaged SmolLM2's own answers (configs/smollm2-demo.yaml; extra arguments go to train.py); decode one prompt
-# with the shipped heads, streaming; then time them against the fastest plain decoder on one MT-Bench question.
+# The whole loop (9 minutes on a 2-core AMD EPYC with .venv already set up): set up (or reuse) the environment;
+# train Hydra heads briefly on the packaged SmolLM2's own answers (configs/smollm2-demo.yaml; extra arguments go
+# to train.py); decode one prompt with the shipped heads, streaming; then time them against the fastest plain decoder on one MT-Bench question.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 python=.venv/bin/python
 
-echo "== 1/3 Training 4 Hydra heads on data/demo_answers.jsonl (about 3 minutes)"
+echo "== 1/3 Training 4 Hydra heads on data/demo_answers.jsonl (the longest part)"
 $python train.py fit --config configs/smollm2-demo.yaml --trainer.enable_progress_bar false "$@"
 heads=$(ls -td runs/smollm2-demo/lightning_logs/version_*/heads | head -1)
 
 echo "== 2/3 Decoding with the shipped heads (heads/smollm2-135m-instruct), streamed as accepted"
 $python decode.py --prompt "Explain in three sentences why the sky is blue." --max-new-tokens 96 --stream
 
-echo "== 3/3 Tau and speed against the fastest plain decoder, one MT-Bench question, in one run (about a minute)"
+echo "== 3/3 Tau and speed against the fastest plain decoder, one MT-Bench question, in one run"
 $python -m mtp.bench --heads heads/smollm2-135m-instruct --questions data/mt_bench.jsonl --limit 1 \
     --max-new-tokens 128 --out runs/demo/bench.json
 
