@@ -40,9 +40,7 @@ def load_base(
             (`mtp.linears.fast_linears`, measured once per machine); training, whose batches take the usual
             product anyway, passes False.
     """
-    if not name:
-        raise ValueError("No base model named (heads imported from a checkpoint that does not record theirs): give the "
-                         "base they draft for (decode.py --base-model, mtp.load's base_model).")  # fmt: skip
+    _require_name(name)
     path = Path(name).expanduser()
     if path.suffix == ".json":
         _require_file(path, "Model config file")
@@ -59,9 +57,7 @@ def load_base(
 
 def load_tokenizer(name: str = DEFAULT_BASE) -> PreTrainedTokenizerBase:
     """The tokenizer that `load_base(name)` returns, without loading the weights."""
-    if not name:
-        raise ValueError("No base model named (heads imported from a checkpoint that does not record theirs): give the "
-                         "base they draft for (decode.py --base-model, mtp.load's base_model).")  # fmt: skip
+    _require_name(name)
     path = Path(name).expanduser()
     if path.suffix == ".json":
         _require_file(path, "Model config file")
@@ -69,6 +65,12 @@ def load_tokenizer(name: str = DEFAULT_BASE) -> PreTrainedTokenizerBase:
             path.parent if (path.parent / "tokenizer.json").is_file() else _resolve(DEFAULT_BASE)
         )
     return AutoTokenizer.from_pretrained(_resolve(name))
+
+
+def _require_name(name: str) -> None:
+    if not name:
+        raise ValueError("No base model named (heads imported from a checkpoint that does not record theirs): give the "
+                         "base they draft for (decode.py --base-model, mtp.load's base_model).")  # fmt: skip
 
 
 def _require_file(path: Path, what: str) -> None:

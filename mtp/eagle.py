@@ -154,7 +154,7 @@ class Eagle(Drafter):
         speculators = "speculators_config" in raw
         layer = raw["transformer_layer_config"] if speculators else raw
         variants = [key for key in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
-                    if raw.get(key, speculators and key == "norm_before_residual")]  # fmt: skip
+                    if raw.get(key, speculators and key == "norm_before_residual")]  # fmt: skip  # vLLM's defaults
         if variants or layer.get("num_hidden_layers", 1) != 1:
             what = ", ".join(variants) or "more than one layer"
             raise ValueError(f"{folder / 'config.json'} describes an EAGLE-3 variant mtp does not build ({what}): "
