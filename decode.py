@@ -22,7 +22,7 @@ from mtp.decoding import Decoder, GenerationResult
 from mtp.lookup import add_lookup_arguments, lookup_from
 from mtp.rows import read_rows
 from mtp.sampling import add_sampling_arguments, sampling_from
-from mtp.tree import NAMED_TREES
+from mtp.tree import TREE_HELP
 
 SHIPPED_HEADS = Path(__file__).parent / "heads" / "smollm2-135m-instruct"  # trained by configs/smollm2-sharegpt.yaml
 
@@ -64,11 +64,7 @@ def main() -> None:
     parser.add_argument("--prompts-file", help="JSON lines with `turns` (MT-Bench), `prompt` or `text`")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
-    parser.add_argument(
-        "--tree",
-        help=f"one of {sorted(NAMED_TREES)}, or a number N: the N-node tree grown from "
-        "the heads' calibration (default: the tree saved with the heads)",
-    )
+    parser.add_argument("--tree", help=TREE_HELP)
     add_sampling_arguments(parser)
     add_lookup_arguments(parser)
     parser.add_argument("--batch-size", type=int, default=1, help="answer B prompts of --prompts-file together, "

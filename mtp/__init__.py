@@ -8,7 +8,7 @@ from mtp.folder import Drafter
 from mtp.linears import fast_linears, usual_linears
 from mtp.lookup import Lookup
 from mtp.sampling import Sampling
-from mtp.tree import DEFAULT_TREE, Tree, named_tree
+from mtp.tree import DEFAULT_TREE, DynamicTree, Tree, named_tree
 
 __all__ = ["Decoder", "GenerationResult", "Lookup", "Sampling", "fast_linears", "load", "usual_linears"]
 
@@ -29,8 +29,9 @@ def load(
             (`owner/name`) of one.
         device: torch device.
         dtype: parameter dtype of the base model and heads.
-        tree: a named tree (see `mtp.tree.NAMED_TREES`) or a number N, the N-node tree grown from the heads'
-            calibration; default: the tree saved with the heads (`python -m mtp.sizing`), else the default tree.
+        tree: a named tree (see `mtp.tree.NAMED_TREES`), a number N, the N-node tree grown from the heads'
+            calibration, or `dynamic:NODES:DEPTH:TOP_K`, a tree grown every step (`mtp.tree.DynamicTree`); default:
+            the tree saved with the heads (`python -m mtp.sizing`), else the default tree.
         base_model: load this base instead of the one named in the heads' config (for example a local copy);
             it must be the same model: hidden size, vocabulary and tokenizer are checked.
         lookup: prompt lookup's candidates beside the heads' each step (see `mtp.lookup`); default: the
@@ -45,7 +46,9 @@ def load(
     heads.check_base(name, model, tokenizer)
     model = heads.adapt(model)
     num_heads = heads.config.num_heads
-    if tree is not None or heads.config.tree is None:
+    if tree is None and heads.config.dynamic_tree:
+        chosen = DynamicTree.parse(heads.config.dynamic_tree)
+    elif tree is not None or heads.config.tree is None:
         chosen = named_tree(tree or DEFAULT_TREE, num_heads, heads.config.calibration)
     else:
         chosen = Tree.from_paths(heads.config.tree, num_heads=num_heads)

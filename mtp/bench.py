@@ -33,7 +33,7 @@ from mtp.lookup import add_lookup_arguments, lookup_from
 from mtp.machine import device_name
 from mtp.rows import read_rows
 from mtp.sampling import Sampling, add_sampling_arguments, sampling_from
-from mtp.tree import NAMED_TREES
+from mtp.tree import TREE_HELP
 
 # heads: mtp without its prompt lookup, when that is on; other_drafter: mtp with the drafter of --against
 METHODS = ("plain", "plain_fast", "lookup", "heads", "other_drafter", "mtp")
@@ -170,14 +170,16 @@ def main() -> None:
     parser.add_argument("--against", metavar="HEADS",
                         help="also decode with this drafter folder (for the same base, with its own saved tree and "
                         "lookup), interleaved in the same run: `other drafter`")  # fmt: skip
+    parser.add_argument(
+        "--against-tree",
+        metavar="TREE",
+        help="the --against drafter's tree instead of its saved "
+        "one (as --tree); with --against the same folder: two trees of one drafter side by side",
+    )
     parser.add_argument("--questions", required=True, help="JSON lines with `turns` (first turn used) or `prompt`")
     parser.add_argument("--limit", type=int, help="the first N questions, spread over categories in file order")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument(
-        "--tree",
-        help=f"one of {sorted(NAMED_TREES)}, or a number N: the N-node tree grown from "
-        "the heads' calibration (default: the tree saved with the heads)",
-    )
+    parser.add_argument("--tree", help=TREE_HELP)
     add_sampling_arguments(parser)
     add_lookup_arguments(parser)
     parser.add_argument("--batch-size", type=int, nargs="+", metavar="B",
@@ -195,7 +197,7 @@ def main() -> None:
     decoder = mtp.load(args.heads, args.device, getattr(torch, args.dtype), tree=args.tree, lookup=lookup_from(args))
     alone = decoder.lookup and not args.batch_size  # mtp with its heads alone, beside mtp with its lookup
     heads_alone = alone and Decoder(decoder.base_model, decoder.tokenizer, decoder.heads, decoder.tree)
-    other = args.against and mtp.load(args.against, args.device, getattr(torch, args.dtype))
+    other = args.against and mtp.load(args.against, args.device, getattr(torch, args.dtype), tree=args.against_tree)
     model = decoder.base_model
     questions = read_rows(args.questions)
     if args.limit:  # round-robin over categories, so a small limit still covers them all

@@ -14,7 +14,7 @@ from mtp.folder import Drafter
 from mtp.lookup import Lookup, LookupProposer
 from mtp.sampling import GREEDY, Sampling
 from mtp.target import Target
-from mtp.tree import Tree
+from mtp.tree import DynamicTree, Tree
 
 
 @dataclass
@@ -69,9 +69,9 @@ class Decoder:
         base_model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         heads: Drafter | None = None,
-        tree: Tree | None = None,
+        tree: Tree | DynamicTree | None = None,
         lookup: Lookup | None = None,
-        batch_trees: dict[int, tuple[Tree, Lookup | None]] | None = None,
+        batch_trees: dict[int, tuple[Tree | DynamicTree, Lookup | None]] | None = None,
     ):
         self.target = Target(base_model)
         self.base_model, self.tokenizer, self.heads = base_model, tokenizer, heads
@@ -80,8 +80,11 @@ class Decoder:
         self.plans = {}  # rows -> (tree, lookup or None) of a step over at least that many rows
         for rows, (plan_tree, plan_lookup) in ({1: (tree, lookup)} | (batch_trees or {})).items():
             plan_tree = plan_tree if heads is not None and plan_tree is not None else Tree.from_paths([])
-            if plan_tree.size > 1 and heads.max_depth is not None:  # check the depth fits the heads
-                Tree.from_paths(plan_tree.paths, num_heads=heads.max_depth)
+            if isinstance(plan_tree, DynamicTree) and heads.max_depth is not None and plan_tree.depth > heads.max_depth:
+                raise ValueError(f"{plan_tree} is {plan_tree.depth} levels deep, but there are only {heads.max_depth} "
+                                 f"heads: give at most {heads.max_depth} levels.")  # fmt: skip
+            if isinstance(plan_tree, Tree) and plan_tree.size > 1 and heads.max_depth is not None:
+                Tree.from_paths(plan_tree.paths, num_heads=heads.max_depth)  # check the depth fits the heads
             self.plans[rows] = plan_tree, plan_lookup if plan_lookup is not None and plan_lookup.reach else None
         self.tree, self.lookup = self.plans[1]
         self.eos_ids, self.context = self.target.eos_ids, self.target.context

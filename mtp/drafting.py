@@ -7,10 +7,13 @@ accepted and drops rows that leave. Proposers run in turn each step: the first l
 it there (`Tree.sources`).
 """
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 
 from mtp.target import States, Target
-from mtp.tree import Tree
+from mtp.tree import DynamicTree, Tree
 
 
 class Proposer:
@@ -36,14 +39,44 @@ class Proposer:
     def keep(self, rows: list[bool]) -> None:
         """Keep the rows marked True, in order."""
 
+    def at_roots(self, input_ids: torch.Tensor, states: States, roots: list[int]) -> None:
+        """Rows join for steps at the positions `roots` of one sequence `input_ids` (T,), as if each were a prompt
+        `input_ids[:p]` with the first new token `input_ids[p]`, from `states` of one pass over the whole sequence
+        (for `mtp.sizing`'s simulation of decoding)."""
+        for p in roots:
+            cut = States(states.last[:, :p], states.layers and tuple(layer[:, :p] for layer in states.layers))
+            self.add(input_ids[:p], cut, int(input_ids[p]))
+
+
+@dataclass
+class Draft:
+    """What a drafter drafted so far this step, per row: node 0 the root, a node's parent before it."""
+
+    tokens: torch.Tensor
+    """(B, M) each node's token."""
+    parents: torch.Tensor
+    """(B, M) each node's parent (-1: the root)."""
+    ancestors: torch.Tensor
+    """(B, M, M) bool: ancestors[b, i, j] iff node j is node i or one of its ancestors in row b."""
+
+    def paths(self, nodes: torch.Tensor) -> torch.Tensor:
+        """The tokens of the paths from the root down to `nodes` (B, P), all of one depth d: (B, P, d + 1)."""
+        rows = self.ancestors.gather(1, nodes[..., None].expand(-1, -1, self.tokens.shape[1]))  # (B, P, M)
+        index = rows.nonzero()[:, 2].view(*nodes.shape, -1)  # (B, P, d+1) ancestors by index: root first
+        return self.tokens.gather(1, index.flatten(1)).view(index.shape)
+
 
 class TreeProposer(Proposer):
-    """A drafter that fills a static tree (`plans`: the tree for steps over at least B rows, by B) from the root:
-    the tree of the step's batch size, cut to the room of the row with the least (`cut`: those trees by (B, depth),
-    kept by the caller across batches: cutting one costs more than a small step)."""
+    """A drafter that lays out each step's tree from the root, level by level (`expand`): a static tree (`plans`:
+    the tree for steps over at least B rows, by B), cut to the room of the row with the least (`cut`: those trees
+    by (B, depth), kept by the caller across batches: cutting one costs more than a small step), or a
+    `DynamicTree`, grown every step from the drafter's draft probabilities, a tree of its own per row."""
 
-    def __init__(self, target: Target, plans: dict[int, Tree], cut: dict):
+    def __init__(self, target: Target, plans: dict[int, Tree | DynamicTree], cut: dict):
         self.target, self.plans, self._trees = target, plans, cut
+
+    def plan(self, rows: int) -> Tree | DynamicTree:
+        return self.plans[max(b for b in self.plans if b <= rows)]
 
     def tree(self, rows: int, depth: int) -> Tree:
         batch = max(b for b in self.plans if b <= rows)
@@ -53,11 +86,57 @@ class TreeProposer(Proposer):
         return self._trees[batch, depth]
 
     def propose(self, trees, tokens, rooms, source):
-        tree = self.tree(len(tokens), min(rooms))
         roots = torch.stack([row[:1] for row in tokens])  # (B, 1)
+        plan = self.plan(len(tokens))
+        if isinstance(plan, DynamicTree):
+            return self.grow(plan, roots, min(plan.depth, min(rooms)))
+        tree = self.tree(len(tokens), min(rooms))
         filled = self.tokens(tree, roots) if tree.size > 1 else roots  # (B, N+1)
         return [tree] * len(tokens), list(filled)
 
     def tokens(self, tree: Tree, roots: torch.Tensor) -> torch.Tensor:
-        """The token of every node of `tree` in each row: roots (B, 1) -> (B, N+1)."""
+        """The token of every node of the static `tree` in each row: roots (B, 1) -> (B, N+1)."""
+        batch = len(roots)
+        tokens = torch.cat([roots, roots.new_zeros(batch, tree.size - 1)], 1)  # (B, N+1) filled level by level
+        draft = Draft(tokens, tree.parents[None].expand(batch, -1), tree.mask[None].expand(batch, -1, -1))
+        for depth, (nodes, rows, paths) in enumerate(tree.levels, 1):
+            parents = paths[:, -1][None].expand(batch, -1)  # (B, P) the nodes whose children are drafted now
+            best, _ = self.expand(draft, parents, depth, tree.top_k)  # (B, P, k)
+            tokens[:, nodes] = best[:, rows, tree.ranks[nodes]]  # (B, M)
+        return tokens
+
+    def grow(self, plan: DynamicTree, roots: torch.Tensor, depth: int) -> tuple[list[Tree], list[torch.Tensor]]:
+        """Each row's tree for this step, grown by `plan` to `depth` levels, and its tokens."""
+        batch, device, k = len(roots), roots.device, plan.top_k
+        draft = Draft(roots, torch.full_like(roots, -1), torch.ones(batch, 1, 1, dtype=torch.bool, device=device))
+        scores = torch.zeros(batch, 1, device=device)  # (B, M) each node's joint draft log-probability
+        ranks = torch.full_like(roots, -1)  # (B, M) each node's rank among its parent's children
+        frontier = torch.zeros_like(roots)  # (B, P) the nodes whose children are drafted next
+        for level in range(1, depth + 1):
+            best, logp = self.expand(draft, frontier, level, k)  # (B, P, k)
+            size, count = draft.tokens.shape[1], frontier.shape[1] * k
+            joint = (scores.gather(1, frontier)[..., None] + logp.float()).flatten(1)  # (B, P k)
+            parents = frontier[..., None].expand(-1, -1, k).flatten(1)  # (B, P k)
+            inherited = draft.ancestors.gather(1, parents[..., None].expand(-1, -1, size))  # (B, P k, M)
+            itself = torch.eye(count, dtype=torch.bool, device=device).expand(batch, -1, -1)
+            ancestors = torch.cat([F.pad(draft.ancestors, (0, count)), torch.cat([inherited, itself], -1)], 1)
+            draft = Draft(torch.cat([draft.tokens, best.flatten(1)], 1), torch.cat([draft.parents, parents], 1),
+                          ancestors)  # fmt: skip
+            scores = torch.cat([scores, joint], 1)
+            ranks = torch.cat([ranks, torch.arange(k, device=device).repeat(count // k).expand(batch, -1)], 1)
+            frontier = size + joint.topk(min(k, count), dim=-1).indices  # (B, k)
+        # the most probable nodes; ties go to the lower index, so a parent comes before its child
+        order = scores.sort(dim=-1, descending=True, stable=True).indices[:, : plan.nodes]  # (B, N) root first
+        chosen = order.sort(dim=-1).values  # (B, N) by index: parents first
+        trees, tokens = [], []
+        for row, nodes in enumerate(chosen.tolist()):
+            place = {node: i for i, node in enumerate(nodes)}
+            parents = [-1] + [place[p] for p in draft.parents[row, nodes[1:]].tolist()]
+            trees.append(Tree.from_parents(parents, ranks[row, nodes].tolist(), scores[row, nodes]).to(device))
+            tokens.append(draft.tokens[row, nodes])
+        return trees, tokens
+
+    def expand(self, draft: Draft, nodes: torch.Tensor, depth: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-k children of `nodes` (B, P) of each row's `draft`, all of depth `depth` - 1 (depth 1: the root,
+        a new step): their token ids (B, P, k) and draft log-probabilities (B, P, k), most probable first."""
         raise NotImplementedError

@@ -27,8 +27,8 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 
 from mtp.drafting import TreeProposer
 from mtp.folder import Drafter, HeadsConfig
-from mtp.target import Target
-from mtp.tree import Tree
+from mtp.target import States, Target
+from mtp.tree import DynamicTree, Tree
 
 # the base's rotary settings the drafter's layer takes: its type, theta and scaling (not a partial rotary factor:
 # the drafter rotates whole heads)
@@ -224,7 +224,7 @@ class Eagle(Drafter):
 
     max_depth = None  # it drafts as deep as a tree asks
 
-    def proposer(self, target: Target, plans: dict[int, Tree], cut: dict) -> "EagleProposer":
+    def proposer(self, target: Target, plans: dict[int, Tree | DynamicTree], cut: dict) -> "EagleProposer":
         """This drafter over the rows of a batch (see `mtp.drafting`), on the trees of `plans`."""
         return EagleProposer(self, target, plans, cut)
 
@@ -307,26 +307,33 @@ class EagleProposer(TreeProposer):
 
     name = "eagle"
 
-    def __init__(self, eagle: Eagle, target: Target, plans: dict[int, Tree], cut: dict):
+    def __init__(self, eagle: Eagle, target: Target, plans: dict[int, Tree | DynamicTree], cut: dict):
         super().__init__(target, plans, cut)
         self.eagle, self.layers = eagle, eagle.config.feature_layers
         self.keys = self.values = self.seen = None  # (B, G, S, d) rotated keys, values; (B, S) bool
         self.state = []  # per row, (H,) the output of its root's entry: it scores the root's children
         self.positions = []  # per row, its root's position
+        self.outputs = self.drafted = None  # this step's drafted entries: see `expand`
 
     def _run(self, feature, embedding, positions, past, mask):
         """The layer over entries feature, embedding (B, Q, H) at positions (B, Q), after `past`, seeing `mask`."""
         return self.eagle.midlayer(feature, embedding, self.eagle.rotary(feature, positions), past, mask)
 
-    def add(self, input_ids, states, root):
+    def _prefill(self, input_ids, states, root):
+        """The layer over a prompt's entries (entry j: the feature at j and token j + 1, the root last): their
+        outputs (1, T, H), keys and values (1, G, T, d)."""
         device = self.target.device
         ids = torch.cat([input_ids.to(device)[1:], torch.tensor([root], device=device)])  # (T,) entry j: token j
         length = len(ids)
         feature = self.eagle.fc(states.features(self.layers, 0, slice(None)))[None]  # (1, T, H)
         positions = torch.arange(1, length + 1, device=device)[None]  # (1, T)
         causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]  # (1, 1, T, T)
-        out, (keys, values) = self._run(feature, self.target.embed(ids)[None], positions, None, causal)
-        seen = torch.ones(1, length, dtype=torch.bool, device=device)
+        return self._run(feature, self.target.embed(ids)[None], positions, None, causal)
+
+    def add(self, input_ids, states, root):
+        out, (keys, values) = self._prefill(input_ids, states, root)
+        length = out.shape[1]
+        seen = torch.ones(1, length, dtype=torch.bool, device=out.device)
         if self.keys is None:
             self.keys, self.values, self.seen = keys, values, seen
         else:  # the shorter of the old rows and the new one padded with unseen slots
@@ -340,34 +347,47 @@ class EagleProposer(TreeProposer):
         self.state.append(out[0, -1])
         self.positions.append(length)
 
-    def tokens(self, tree, roots):
-        batch, size, device = len(roots), tree.size, roots.device
-        tokens = torch.cat([roots, roots.new_zeros(batch, size - 1)], 1)  # (B, N+1) filled level by level
-        outputs = torch.stack(self.state)[:, None].repeat(1, size, 1)  # (B, N+1, H) each node's entry's output
-        drafted_keys = self.keys.new_zeros(batch, self.keys.shape[1], size, self.keys.shape[3])  # (B, G, N+1, d)
-        drafted_values = torch.zeros_like(drafted_keys)
-        ran = torch.zeros(size, dtype=torch.bool, device=device)  # nodes whose entries are in drafted_*
-        roots_at = torch.tensor(self.positions, device=device)  # (B,)
-        for depth, (nodes, rows, paths) in enumerate(tree.levels, 1):
-            parents = paths[:, -1]  # (P,) the nodes of depth - 1 whose children are drafted now
-            if depth > 1:  # their entries: each reads its own parent's output and its token
-                count = len(parents)
-                # (B, 1, P, S + N+1 + P): the row's true entries (its root's included), its ancestors', itself
-                cached = self.seen[:, None].expand(-1, count, -1)
-                ancestors = (tree.mask[parents] & ran)[None].expand(batch, -1, -1)
-                itself = torch.eye(count, dtype=torch.bool, device=device)[None].expand(batch, -1, -1)
-                seen = torch.cat([cached, ancestors, itself], -1)[:, None]
-                past = torch.cat([self.keys, drafted_keys], 2), torch.cat([self.values, drafted_values], 2)
-                positions = (roots_at[:, None] + depth - 1).expand(-1, count)  # (B, P)
-                out, (keys, values) = self._run(
-                    outputs[:, tree.parents[parents]], self.target.embed(tokens[:, parents]), positions, past, seen
-                )  # (B, P, H)
-                outputs[:, parents], ran[parents] = out, True
-                drafted_keys[:, :, parents], drafted_values[:, :, parents] = keys, values
-            logits = self.eagle.logits(outputs[:, parents], self.target.lm_head)  # (B, P, D)
-            best = self.eagle.draft_ids[logits.topk(tree.top_k, dim=-1).indices]  # (B, P, k) target ids
-            tokens[:, nodes] = best[:, rows, tree.ranks[nodes]]  # (B, M)
-        return tokens
+    def at_roots(self, input_ids, states, roots):
+        """One prefill of the whole sequence: the row at root p sees its first p entries (an empty batch only)."""
+        if self.keys is not None:
+            raise ValueError("at_roots starts a batch: keep no rows before it.")
+        last = States(states.last[:, :-1], states.layers and tuple(layer[:, :-1] for layer in states.layers))
+        out, (keys, values) = self._prefill(input_ids[:-1], last, int(input_ids[-1]))  # entry p - 1: the root p
+        at = torch.tensor(roots, device=out.device)  # (B,)
+        self.keys, self.values = keys.expand(len(roots), -1, -1, -1), values.expand(len(roots), -1, -1, -1)
+        self.seen = torch.arange(out.shape[1], device=out.device)[None] < at[:, None]  # (B, S)
+        self.state, self.positions = list(out[0, at - 1]), list(roots)
+
+    def expand(self, draft, nodes, depth, k):
+        batch, count = nodes.shape
+        if depth == 1:  # a new step: the root's entry is cached; the drafted ones of the last step are gone
+            outputs = torch.stack(self.state)[:, None]  # (B, 1, H)
+            self.outputs, self.drafted = outputs, None  # each node's entry's output; (node ids, keys, values)
+        else:  # the entries of `nodes`: each reads its parent's output and its own token
+            size, hidden = draft.tokens.shape[1], self.outputs.shape[-1]
+            self.outputs = F.pad(self.outputs, (0, 0, 0, size - self.outputs.shape[1]))  # (B, M, H)
+            parents = draft.parents.gather(1, nodes)  # (B, P)
+            feature = self.outputs.gather(1, parents[..., None].expand(-1, -1, hidden))  # (B, P, H)
+            # (B, 1, P, S + R + P): the row's true entries (its root's included), its drafted ancestors', itself
+            seen = [self.seen[:, None].expand(-1, count, -1)]
+            past = self.keys, self.values
+            if self.drafted is not None:
+                ran, keys, values = self.drafted  # (B, R), (B, G, R, d) twice
+                lineage = draft.ancestors.gather(1, nodes[..., None].expand(-1, -1, size))  # (B, P, M)
+                seen.append(lineage.gather(2, ran[:, None].expand(-1, count, -1)))  # (B, P, R)
+                past = torch.cat([self.keys, keys], 2), torch.cat([self.values, values], 2)
+            seen.append(torch.eye(count, dtype=torch.bool, device=nodes.device).expand(batch, -1, -1))
+            positions = (torch.tensor(self.positions, device=nodes.device)[:, None] + depth - 1).expand(-1, count)
+            embedding = self.target.embed(draft.tokens.gather(1, nodes))  # (B, P, H)
+            outputs, (keys, values) = self._run(feature, embedding, positions, past, torch.cat(seen, -1)[:, None])
+            self.outputs = self.outputs.scatter(1, nodes[..., None].expand(-1, -1, hidden), outputs)
+            if self.drafted is not None:
+                keys, values = torch.cat([self.drafted[1], keys], 2), torch.cat([self.drafted[2], values], 2)
+                nodes = torch.cat([self.drafted[0], nodes], 1)
+            self.drafted = nodes, keys, values
+        logits = self.eagle.logits(outputs, self.target.lm_head)  # (B, P, D)
+        logp, best = logits.float().log_softmax(-1).topk(k, dim=-1)
+        return self.eagle.draft_ids[best], logp
 
     def accept(self, states, nodes, settled):
         device = self.target.device

@@ -52,6 +52,7 @@ from safetensors.torch import save_file
 from mtp.base import load_base
 from mtp.cli import user_errors
 from mtp.folder import Drafter
+from mtp.tree import DynamicTree
 
 
 def to_vllm(heads: Drafter, base_lm_head: torch.Tensor, out: str | Path) -> Path:
@@ -144,6 +145,7 @@ def to_eagle3(drafter: Drafter, base_model, out: str | Path, speculators: bool =
               "eagle_aux_hidden_state_layer_ids": list(ids), "num_aux_hidden_states": len(ids)}  # fmt: skip
     if speculators:
         depth = max((len(path) for path in config.tree or []), default=0) or config.num_heads  # the sized tree's
+        depth = DynamicTree.parse(config.dynamic_tree).depth if config.dynamic_tree else depth
         architectures = base_model.config.architectures or [type(base_model).__name__]
         verifier = {"name_or_path": config.base_model, "architectures": architectures}
         exported = {

@@ -51,6 +51,9 @@ class HeadsConfig:
     lookup: list[int] = field(default_factory=list)
     """Prompt-lookup tokens verified beside the tree after a match of 1, 2, ... tokens (`mtp.lookup.Lookup`'s
     lengths), chosen with the tree by `mtp.sizing`; empty: none."""
+    dynamic_tree: str | None = None
+    """A `DynamicTree` (`dynamic:NODES:DEPTH:TOP_K`) that `mtp.sizing` chose over the static `tree` for single
+    prompts; None: the static tree."""
     batch_trees: list[dict] = field(default_factory=list)
     """Trees and lookups for steps over several prompts at once, chosen by `mtp.sizing`: each {"rows": B, "tree":
     paths, "lookup": lengths} holds for steps over B or more rows (up to the next entry's B); empty: `tree` and

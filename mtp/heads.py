@@ -12,7 +12,7 @@ from mtp.drafting import TreeProposer
 from mtp.folder import Drafter, HeadsConfig
 from mtp.loss import following_tokens
 from mtp.target import Target
-from mtp.tree import Tree
+from mtp.tree import DynamicTree, Tree
 
 
 class ResidualBlock(nn.Module):
@@ -31,8 +31,8 @@ class ResidualBlock(nn.Module):
 class Heads(Drafter):
     """What every kind of head shares: `num_heads` stacks of residual blocks, each followed by a vocabulary
     projection (the base lm_head, or an own copy per head), a draft vocabulary, and the folder format. A kind
-    says what head k reads (`state`; `reads_path`: the embeddings of the tokens after t too) and how a step's
-    guesses fill the tree (`tree_tokens`).
+    says what head k reads (`state`; `reads_path`: the embeddings of the tokens after t too); a step drafts the
+    tree level by level, head d - 1 guessing the children of the nodes of depth d - 1 (`guess`).
 
     New heads predict exactly what the base lm_head predicts (the blocks start as the identity and an `own`
     projection as a copy of the base lm_head); training moves head k to token t+k+2.
@@ -63,7 +63,7 @@ class Heads(Drafter):
         """The deepest node a tree of these heads may hold: head d - 1 guesses depth d."""
         return self.config.num_heads
 
-    def proposer(self, target: Target, plans: dict[int, Tree], cut: dict) -> "HeadsProposer":
+    def proposer(self, target: Target, plans: dict[int, Tree | DynamicTree], cut: dict) -> "HeadsProposer":
         """These heads drafting over the rows of a batch (see `mtp.drafting`), on the trees of `plans`."""
         return HeadsProposer(self, target, plans, cut)
 
@@ -132,11 +132,15 @@ class Heads(Drafter):
         ids, _ = self._draft_rows(base_lm_head)  # (N,)
         return ids[self.draft_logits(hidden, base_lm_head, num_heads, following, first).topk(k, dim=-1).indices]
 
-    def tree_tokens(self, hidden, root: torch.Tensor, tree, base_lm_head, embed: nn.Module, k: int) -> torch.Tensor:
-        """The token of every node of `tree` (an `mtp.tree.Tree`) in each of B rows: the root's, then each node's
-        guess, node (r1, .., rd) being rank rd of head d-1's guesses: hidden (B, H) at the root's parent, root
-        (B, 1) -> (B, N+1). `embed` is the base model's input embedding; `k` the highest rank in the tree + 1."""
-        raise NotImplementedError
+    def guess(self, hidden, following, head: int, k: int, base_lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """Head `head`'s top-k guesses, from the draft vocabulary if there is one: their token ids (..., k) and log
+        probabilities (..., k), most probable first; hidden (..., H) and `following` as in `state`."""
+        if self.config.draft_vocab is None:
+            logits = self._project(self._states(hidden, following, head, head + 1), base_lm_head, head)[0]
+        else:
+            logits = self.draft_logits(hidden, base_lm_head, 1, following, head)[0]  # (..., N)
+        logp, best = logits.float().log_softmax(-1).topk(k, dim=-1)
+        return (best if self.config.draft_vocab is None else self._draft_rows(base_lm_head)[0][best]), logp
 
     def _draft_rows(self, base_lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft vocabulary's ids (N,) and its rows of the projections (K or 1, N, H), gathered once per
@@ -187,14 +191,6 @@ class MedusaHeads(Heads):
     def state(self, k: int, hidden: torch.Tensor, following: torch.Tensor | None = None) -> torch.Tensor:
         return self.blocks[k](hidden)
 
-    def guesses(self, hidden: torch.Tensor, base_lm_head: nn.Module, num_heads: int, k: int) -> torch.Tensor:
-        """Token ids of the top-k guesses of the first `num_heads` heads: hidden (..., H) -> (D, ..., k)."""
-        return self._best(hidden, base_lm_head, num_heads, k)
-
-    def tree_tokens(self, hidden, root: torch.Tensor, tree, base_lm_head, embed: nn.Module, k: int) -> torch.Tensor:
-        guesses = self.guesses(hidden, base_lm_head, len(tree.levels), k)  # (D, B, k): only the heads the tree reaches
-        return torch.cat([root, guesses[tree.depths[1:] - 1, :, tree.ranks[1:]].T], 1)  # (N, B) -> (B, N+1)
-
 
 class HydraHeads(Heads):
     """Sequentially dependent heads (Hydra, Ankner et al. 2024): head k reads the hidden state at t and the base
@@ -219,14 +215,6 @@ class HydraHeads(Heads):
         path = following[..., : k + 1, :].flatten(-2)  # (..., (k+1) H)
         return self.blocks[k](self.inputs[k](torch.cat([hidden.expand(*path.shape[:-1], -1), path], -1)))
 
-    def tree_tokens(self, hidden, root: torch.Tensor, tree, base_lm_head, embed: nn.Module, k: int) -> torch.Tensor:
-        tokens = torch.cat([root, root.new_zeros(len(root), tree.size - 1)], 1)  # (B, N+1) filled level by level
-        for depth, (nodes, rows, paths) in enumerate(tree.levels, 1):
-            following = embed(tokens[:, paths])  # (B, P, depth, H): each parent's path, root first
-            best = self._best(hidden[:, None], base_lm_head, 1, k, following, first=depth - 1)[0]  # (B, P, k)
-            tokens[:, nodes] = best[:, rows, tree.ranks[nodes]]  # (B, M)
-        return tokens
-
 
 class HeadsProposer(TreeProposer):
     """Heads over the rows of a batch: each row's last hidden state is all they read."""
@@ -240,9 +228,11 @@ class HeadsProposer(TreeProposer):
     def add(self, input_ids, states, root):
         self.hidden.append(states.last[0, -1])
 
-    def tokens(self, tree, roots):
-        target, hidden = self.target, torch.stack(self.hidden)  # (B, H)
-        return self.heads.tree_tokens(hidden, roots, tree, target.lm_head, target.embed, tree.top_k)
+    def expand(self, draft, nodes, depth, k):
+        hidden = torch.stack(self.hidden)[:, None]  # (B, 1, H)
+        following = self.target.embed(draft.paths(nodes)) if self.heads.reads_path else None  # (B, P, depth, H)
+        best, logp = self.heads.guess(hidden, following, depth - 1, k, self.target.lm_head)  # (B, P or 1, k)
+        return best.expand(-1, nodes.shape[1], -1), logp.expand(-1, nodes.shape[1], -1)
 
     def accept(self, states, nodes, settled):
         self.hidden = [states.last[b, row_nodes[-1]] for b, row_nodes in enumerate(nodes)]

@@ -29,6 +29,7 @@ import time
 from contextlib import nullcontext
 
 import torch
+import torch.nn.functional as F
 
 from mtp.base import load_base
 from mtp.cli import user_errors
@@ -39,12 +40,15 @@ from mtp.linears import usual_linears
 from mtp.lookup import FULL, MAX_NGRAM, Lookup
 from mtp.machine import device_name, measured
 from mtp.sampling import GREEDY
-from mtp.tree import Path, Tree, grow_tree
+from mtp.target import States, Target
+from mtp.tree import DynamicTree, Path, Tree, grow_tree
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # tree sizes (root included) timed on the device
 BATCH_SIZES = (2, 4, 8, 16)  # prompts decoded at once that get a tree and lookup of their own
 BATCH_MAX_NODES = 16  # the largest tree sized for a batch
 LOOKUP_LENGTHS = tuple(range(FULL + 1))  # prompt-lookup tokens after a match that sizing chooses from
+DYNAMIC_DEPTHS, DYNAMIC_TOP_K = (2, 3, 4, 5), (2, 3, 4)  # the dynamic trees sizing simulates
+DYNAMIC_ANSWERS = 24  # held-out answers they are simulated on (every root drafts a tree), beside static trees
 
 
 def timed_sizes(paths: list[Path], batch: int) -> list[int]:
@@ -98,6 +102,16 @@ def step_costs(timed: list[float], max_nodes: int) -> list[float]:
     return costs
 
 
+def answer_roots(mask: torch.Tensor) -> tuple[list[int], list[int]]:
+    """For one example's answer `mask` (T,): the answer tokens that follow each position, in one run, and the
+    roots, answer tokens that another follows (a step after the last one would be past the answer; the root's
+    parent holds the drafter's input)."""
+    left = [0] * len(mask)
+    for t in range(len(mask) - 2, -1, -1):
+        left[t] = left[t + 1] + 1 if mask[t + 1] else 0
+    return left, [p for p in mask.nonzero()[:, 0].tolist() if p > 0 and left[p]]
+
+
 @torch.no_grad()
 def held_out_roots(model, heads: Drafter, paths: list[Path], examples: list, lookup: Lookup) -> dict[str, torch.Tensor]:
     """Every answer token of `examples` ((ids, mask, ...): the base model's own answers to prompts the heads did not
@@ -112,12 +126,7 @@ def held_out_roots(model, heads: Drafter, paths: list[Path], examples: list, loo
     backbone, embed = model.get_decoder(), model.get_input_embeddings()
     rows = {name: [] for name in ("left", "order", "match", "chain", "right")}
     for ids, mask, *_ in examples:
-        left = [0] * len(ids)  # answer tokens that follow each position, in one run
-        for t in range(len(ids) - 2, -1, -1):
-            left[t] = left[t + 1] + 1 if mask[t + 1] else 0
-        # roots: answer tokens that another follows (a step after the last one would be past the answer); the
-        # root's parent holds the heads' input
-        roots = [p for p in mask.nonzero()[:, 0].tolist() if p > 0 and left[p]]
+        left, roots = answer_roots(mask)
         layers = heads.config.feature_layers
         out = backbone(input_ids=ids[None].to(model.device), output_hidden_states=bool(layers))
         features = torch.cat([out.hidden_states[i][0] for i in layers], -1) if layers else None  # (T, F)
@@ -143,15 +152,75 @@ def held_out_roots(model, heads: Drafter, paths: list[Path], examples: list, loo
     return {name: torch.tensor(values) for name, values in rows.items()}
 
 
-def simulate(roots: dict[str, torch.Tensor], size: int, lengths: list[int], costs: list[float], batch: int = 1):
+@torch.no_grad()
+def grown_accepts(model, heads: Drafter, examples: list, plan: DynamicTree, chunk: int = 32) -> torch.Tensor:
+    """At every root of `held_out_roots` (in its order), the candidates that the tree `plan` grown there by the
+    drafter accepts, the answer's own next tokens being the truth, with 1 .. plan.nodes nodes: (R, plan.nodes)
+    (a grown tree of n nodes is the n most probable of the draft: see `DynamicTree`)."""
+    target, layers = Target(model), heads.config.feature_layers
+    proposer = heads.proposer(target, {1: plan}, {})
+    found = []
+    for ids, mask, *_ in examples:
+        left, roots = answer_roots(mask)
+        ids = ids.to(target.device)
+        out = target.backbone(input_ids=ids[None], output_hidden_states=bool(layers))
+        states = States(out.last_hidden_state, out.hidden_states if layers else None)
+        # as decoding would, a root grows no deeper than its room (the answer tokens after it, but the last); the
+        # roots of one room at a time
+        rooms = {p: min(plan.depth, left[p] - 1) for p in roots}
+        parts = [[p for p in roots if rooms[p] == room] for room in sorted(set(rooms.values()))]
+        parts = [part[start : start + chunk] for part in parts for start in range(0, len(part), chunk)]
+        grown = {}
+        for part in parts:
+            proposer.at_roots(ids, states, part)
+            trees, tokens = proposer.propose(None, [ids[p : p + 1] for p in part], [rooms[part[0]]] * len(part), 0)
+            proposer.keep([False] * len(part))
+            grown |= {p: (tree, row_tokens) for p, tree, row_tokens in zip(part, trees, tokens, strict=True)}
+        for p in roots:
+            tree, row_tokens = grown[p]
+            truth, values = ids[p + 1 : p + 1 + left[p]].tolist(), row_tokens.tolist()
+            depths, right = tree.depths.tolist(), [True]  # right: the node's whole path is the truth
+            for node, parent in enumerate(tree.parents.tolist()[1:], 1):
+                depth = depths[node]
+                right.append(right[parent] and depth <= len(truth) and values[node] == truth[depth - 1])
+            order = tree.scores.sort(descending=True, stable=True).indices  # (N,) root first, parents first
+            reached = (torch.tensor(right) * tree.depths.cpu())[order.cpu()].cummax(0).values  # (N,)
+            found.append(F.pad(reached, (0, plan.nodes - len(reached)), value=int(reached[-1])))
+    return torch.stack(found)
+
+
+def measure_drafting(model, tokenizer, heads: Drafter, plans: list, context: int, steps: int = 6) -> list[float]:
+    """Seconds the drafters take to propose one step's tree, for each plan (a static `Tree` or a `DynamicTree`),
+    after a prompt of `context` random tokens: the median of `steps` proposals after a warm-up step."""
+    prompt = torch.randint(len(tokenizer), (1, context), generator=torch.Generator().manual_seed(0))
+    seconds = []
+    for plan in plans:
+        rows = Decoder(model, tokenizer, heads, plan).batch(GREEDY)
+        rows.add(prompt)
+        rows.step()
+        spent = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            rows.propose()
+            if model.device.type == "cuda":
+                torch.cuda.synchronize()
+            spent.append(time.perf_counter() - start)
+        seconds.append(sorted(spent)[len(spent) // 2])
+    return seconds
+
+
+def simulate(roots: dict[str, torch.Tensor], size: int, lengths: list[int], costs: list[float], batch: int = 1,
+             heads: torch.Tensor | None = None):  # fmt: skip
     """(tokens, steps, seconds) of decoding the answers of `roots` (see `held_out_roots`) with the tree of the
     first size - 1 paths and lookup of `lengths` (lengths[n - 1] tokens after a match of n): a step accepts the
     longer of the heads' right path and lookup's right tokens, plus the bonus token, which is the next step's
     root; it costs step(size + the lookup tokens that do not repeat the heads' right path). In a batch of
     `batch` rows (`costs`: of steps over that many rows) every row's tree is padded to the largest: a step costs
-    step(the most nodes of `batch` steps drawn from the simulated ones)."""
+    step(the most nodes of `batch` steps drawn from the simulated ones). `heads`: instead of the static tree's,
+    the candidates the drafter's tree accepts at each root (R,), such as a dynamic tree's (`grown_accepts`)."""
     cap = torch.tensor([0, *lengths] + [0] * int(roots["match"].max()))[roots["match"]]  # no length: none
-    heads, lookup = (roots["order"] < size - 1).sum(1), roots["right"].clamp(max=cap)
+    heads = (roots["order"] < size - 1).sum(1) if heads is None else heads
+    lookup = roots["right"].clamp(max=cap)
     # the next root: after the accepted tokens and the bonus one, or the next answer's first once none is left
     advance = (torch.maximum(heads, lookup) + 1).clamp(max=roots["left"]).tolist()
     nodes = size + roots["chain"].clamp(max=cap) - torch.minimum(heads, lookup)
@@ -166,16 +235,16 @@ def simulate(roots: dict[str, torch.Tensor], size: int, lengths: list[int], cost
     return len(advance), len(visited), float((most * torch.tensor(costs, dtype=torch.float64)).sum())
 
 
-def best_lookup(roots: dict[str, torch.Tensor], size: int, costs: list[float], batch: int = 1) -> tuple:
+def best_lookup(roots: dict[str, torch.Tensor], size: int, costs: list[float], batch: int = 1, heads=None) -> tuple:
     """The lookup lengths (one per match length, each from LOOKUP_LENGTHS) with the most tokens per second beside
-    the `size`-node tree, by coordinate ascent from none, and their `simulate` figures."""
+    the `size`-node tree, by coordinate ascent from none, and their `simulate` figures (`heads`: as there)."""
     lengths = [0] * int(roots["match"].max().clamp(min=1))
-    best = simulate(roots, size, lengths, costs, batch)
+    best = simulate(roots, size, lengths, costs, batch, heads)
     for _ in range(2):
         for n in range(len(lengths)):
             for value in LOOKUP_LENGTHS:
                 trial = lengths[:n] + [value] + lengths[n + 1 :]
-                found = simulate(roots, size, trial, costs, batch)
+                found = simulate(roots, size, trial, costs, batch, heads)
                 if found[0] / found[2] > best[0] / best[2]:
                     lengths, best = trial, found
     return lengths, best
@@ -230,6 +299,10 @@ def expected_speedups(heads_path: str, device: str = "cpu", dtype: torch.dtype =
     table["chosen_lookup"] = best["lengths"] if any(best["lengths"]) else []
     table["roots"] = {"count": len(roots["match"]), "matched": [float((roots["match"] == n).float().mean())
                       for n in range(1, MAX_NGRAM + 1)]}  # fmt: skip
+    table["dynamic"] = dynamic_trees(model, tokenizer, heads, paths, held_out[:DYNAMIC_ANSWERS], costs, context)
+    best_dynamic = max(table["dynamic"], key=lambda row: row["speedup"])  # against the best static tree there
+    if best_dynamic["speedup"] > max(row["static_speedup"] for row in table["dynamic"]):
+        table["chosen_dynamic"], table["chosen_lookup"] = best_dynamic["plan"], best_dynamic["lengths"]
     table["batches"] = []  # per batch size: the best tree size and lookup, against plain decoding of that batch
     for batch in BATCH_SIZES:
         batch_costs, found = measured_costs(batch), []
@@ -241,6 +314,40 @@ def expected_speedups(heads_path: str, device: str = "cpu", dtype: torch.dtype =
     return table
 
 
+def dynamic_trees(model, tokenizer, heads: Drafter, paths: list[Path], examples: list, costs: list[float],
+                  context: int) -> list[dict]:  # fmt: skip
+    """Per timed size n > 1: the dynamic tree of n nodes (of DYNAMIC_DEPTHS x DYNAMIC_TOP_K) with the most tokens
+    per second on `examples`, with and without the best lookup, beside the static n-node tree on the same
+    answers. A dynamic step costs the static one's step (`costs`) with the static tree's drafting time replaced by
+    its own (both timed)."""
+    roots = held_out_roots(model, heads, paths, examples, Lookup((max(LOOKUP_LENGTHS),) * MAX_NGRAM))
+    sizes = [size for size in timed_sizes(paths, 1) if size > 1]
+    static = [Tree.from_paths(paths[: size - 1]) for size in timed_sizes(paths, 1)]
+    static_drafting = step_costs(measure_drafting(model, tokenizer, heads, static, context), len(costs))
+    depths = [depth for depth in DYNAMIC_DEPTHS if heads.max_depth is None or depth <= heads.max_depth]
+    plans = [DynamicTree(max(sizes), depth, k) for depth in depths for k in DYNAMIC_TOP_K]
+    drafting = measure_drafting(model, tokenizer, heads, plans, context)
+    found = {size: [] for size in sizes}
+    for plan, seconds in zip(plans, drafting, strict=True):
+        accepts = grown_accepts(model, heads, examples, plan)  # (R, N)
+        for size in sizes:
+            extra = seconds - static_drafting[size - 1]  # drafting a dynamic step costs this more than a static one
+            own = [cost + extra for cost in costs]
+            tokens, steps, _ = simulate(roots, size, [], own, heads=accepts[:, size - 1])
+            lengths, (with_tokens, with_steps, with_seconds) = best_lookup(roots, size, own, heads=accepts[:, size - 1])
+            found[size].append({"plan": str(DynamicTree(size, plan.depth, plan.top_k)), "tau": tokens / steps,
+                                "lookup_tau": with_tokens / with_steps, "lengths": lengths if any(lengths) else [],
+                                "speedup": with_tokens * costs[0] / with_seconds, "drafting": seconds})  # fmt: skip
+    rows = []
+    for size in sizes:
+        row = max(found[size], key=lambda trial: trial["speedup"])
+        tokens, steps, _ = simulate(roots, size, [], costs)
+        _, (with_tokens, with_steps, with_seconds) = best_lookup(roots, size, costs)
+        rows.append(row | {"size": size, "static_tau": tokens / steps, "static_lookup_tau": with_tokens / with_steps,
+                           "static_speedup": with_tokens * costs[0] / with_seconds})  # fmt: skip
+    return rows
+
+
 def size_tree(heads_path: str, **options) -> dict:
     """Save the tree with the highest expected speedup on this device into the heads' config (options: those
     of `expected_speedups`); returns the table it was chosen from."""
@@ -248,6 +355,7 @@ def size_tree(heads_path: str, **options) -> dict:
     heads = Drafter.from_pretrained(heads_path)
     heads.config.tree = [list(path) for path in table["paths"][: table["chosen"] - 1]]
     heads.config.lookup = table["chosen_lookup"]
+    heads.config.dynamic_tree = table.get("chosen_dynamic")
     heads.config.batch_trees = []
     for row in table.get("batches", []):
         paths = [list(path) for path in table["paths"][: row["size"] - 1]]
@@ -294,8 +402,15 @@ def main() -> None:
         for row in table["batches"]:
             print(f"  {row['rows']} prompts at once: the {row['size']}-node tree, lookup {row['lengths'] or 'off'}, "
                   f"held-out tau {row['tau']:.2f}, {row['speedup']:.2f}x plain decoding of {row['rows']}")  # fmt: skip
+        print(f"Dynamic trees on the first {DYNAMIC_ANSWERS} held-out answers, against the static tree of as many "
+              "nodes there (tau alone / with lookup, speedup with lookup):")  # fmt: skip
+        for row in table["dynamic"]:
+            print(f"  {row['size']:4d}  {row['plan']:>15}  tau {row['tau']:.2f} / {row['lookup_tau']:.2f}, "
+                  f"{row['speedup']:.2f}x; static tau {row['static_tau']:.2f} / {row['static_lookup_tau']:.2f}, "
+                  f"{row['static_speedup']:.2f}x")  # fmt: skip
     lookup = table["chosen_lookup"] or "no"
-    print(f"Saved the {table['chosen']}-node tree and {lookup} lookup tokens to {args.heads}/config.json")
+    tree = table.get("chosen_dynamic") or f"{table['chosen']}-node tree"
+    print(f"Saved the {tree} and {lookup} lookup tokens to {args.heads}/config.json")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ class Tree:
     """(N+1, N+1) bool: mask[i, j] iff node j is node i or one of its ancestors."""
     retrieve: torch.Tensor
     """(L, D+1) node indices of the L root-to-leaf paths, each padded with -1 after its leaf."""
+    scores: torch.Tensor | None = None
+    """(N+1,) for a tree grown by its drafter (`DynamicTree`): each node's joint draft log-probability."""
 
     @classmethod
     def from_paths(cls, paths, num_heads: int | None = None, top_k: int | None = None) -> "Tree":
@@ -55,6 +57,18 @@ class Tree:
         parents = torch.tensor([-1] + [index[path[:-1]] for path in ordered])  # (N+1,)
         sources = torch.tensor([-1] + [0] * len(ordered))
         return cls._build(ordered, parents, torch.tensor([-1] + [path[-1] for path in ordered]), sources)
+
+    @classmethod
+    def from_parents(cls, parents: list[int], ranks: list[int], scores: torch.Tensor) -> "Tree":
+        """The tree whose node i has parent parents[i] (< i; -1 for the root, node 0), is its parent's child of
+        rank ranks[i] and has joint draft log-probability scores[i]: one grown for a single step (`mtp.drafting`);
+        nodes keep their order."""
+        paths = [()]
+        for parent, rank in zip(parents[1:], ranks[1:], strict=True):
+            paths.append(paths[parent] + (rank,))
+        sources = torch.tensor([-1] + [0] * (len(parents) - 1))
+        tree = cls._build(tuple(paths[1:]), torch.tensor(parents), torch.tensor(ranks), sources)
+        return replace(tree, scores=scores)
 
     @classmethod
     def _build(cls, paths: tuple[Path, ...], parents: torch.Tensor, ranks: torch.Tensor, sources) -> "Tree":
@@ -133,7 +147,40 @@ class Tree:
 
     def to(self, device: torch.device | str) -> "Tree":
         names = ("parents", "depths", "ranks", "sources", "mask", "retrieve")
+        names += ("scores",) if self.scores is not None else ()
         return replace(self, **{name: getattr(self, name).to(device) for name in names})
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """A tree chosen every step from the drafter's own confidence (as EAGLE-2 does): `depth` levels, each drafting
+    the `top_k` most probable children of the `top_k` most probable nodes of the level before (by joint draft
+    probability, the product of the draft probabilities along the node's path), then the `nodes` - 1 most probable
+    nodes drafted, with the root. A child is never more probable than its parent, so every chosen node's
+    ancestors are chosen too. Written `dynamic:NODES:DEPTH:TOP_K`."""
+
+    nodes: int
+    depth: int
+    top_k: int
+
+    def __post_init__(self):
+        if self.nodes < 1 or self.depth < 1 or self.top_k < 1:
+            raise ValueError(f"{self}: a dynamic tree has at least 1 node, 1 level and 1 child per node.")
+
+    @property
+    def size(self) -> int:
+        """The most nodes of a step's tree, root included."""
+        return self.nodes
+
+    @classmethod
+    def parse(cls, name: str) -> "DynamicTree":
+        parts = name.split(":")
+        if len(parts) != 4 or parts[0] != "dynamic" or not all(p.isdigit() for p in parts[1:]):
+            raise ValueError(f"Tree {name!r}: write a dynamic tree as dynamic:NODES:DEPTH:TOP_K, e.g. dynamic:8:4:3.")
+        return cls(*(int(p) for p in parts[1:]))
+
+    def __str__(self) -> str:
+        return f"dynamic:{self.nodes}:{self.depth}:{self.top_k}"
 
 
 def grow_tree(calibration: list[list[float]], max_nodes: int) -> tuple[list[Path], list[float]]:
@@ -176,11 +223,16 @@ NAMED_TREES: dict[str, list[Path]] = {
     "large": _LARGE,
 }
 DEFAULT_TREE = "small"
+TREE_HELP = (f"one of {sorted(NAMED_TREES)}, a number N (the N-node tree grown from the heads' calibration), or "
+             "dynamic:NODES:DEPTH:TOP_K (a tree grown every step from the drafter's probabilities); default: the tree "
+             "saved with the heads")  # fmt: skip
 
 
-def named_tree(name: str, num_heads: int, calibration: list[list[float]] | None = None) -> Tree:
-    """A shipped tree without the nodes deeper than `num_heads`, or, for a number N, the N-node tree grown
-    from the heads' `calibration` (see `grow_tree`)."""
+def named_tree(name: str, num_heads: int, calibration: list[list[float]] | None = None) -> Tree | DynamicTree:
+    """A shipped tree without the nodes deeper than `num_heads`; for a number N, the N-node tree grown from the
+    heads' `calibration` (see `grow_tree`); or a `DynamicTree` (`dynamic:NODES:DEPTH:TOP_K`)."""
+    if name.startswith("dynamic"):
+        return DynamicTree.parse(name)
     if name.isdigit():
         if calibration is None:
             raise ValueError(

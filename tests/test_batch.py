@@ -14,7 +14,7 @@ from mtp.cache import append_rows, attention_windows, keep_accepted, keep_rows, 
 from mtp.decoding import Decoder
 from mtp.lookup import Lookup
 from mtp.sampling import Sampling
-from mtp.tree import Tree
+from mtp.tree import DynamicTree, Tree
 from tests.conftest import TINY_BASE
 from tests.test_decoding import TREE, OracleHeads, random_heads, reference, tiny_model
 from tests.test_sampling import chi_square_z, exact_joint, small_vocab_decoder
@@ -40,9 +40,10 @@ MODELS = {
 }
 
 
+@pytest.mark.parametrize("tree", [TREE, DynamicTree(8, 4, 3)], ids=["static", "dynamic"])
 @pytest.mark.parametrize("heads", ["oracle", "medusa", "hydra", "eagle"])
 @pytest.mark.parametrize("name", MODELS)
-def test_each_row_of_a_batch_is_its_prompt_decoded_alone(name, heads, tokenizer):
+def test_each_row_of_a_batch_is_its_prompt_decoded_alone(name, heads, tree, tokenizer):
     model_type, overrides = MODELS[name]
     model = tiny_model(model_type, **overrides)
     prompts = [tokenizer(prompt, return_tensors="pt").input_ids for prompt in PROMPTS]
@@ -57,7 +58,7 @@ def test_each_row_of_a_batch_is_its_prompt_decoded_alone(name, heads, tokenizer)
         drafter = OracleHeads(model, runs, num_heads=4)
     else:
         drafter = random_heads(model, head_type=heads)
-    results = Decoder(model, tokenizer, drafter, TREE).generate(PROMPTS, max_new_tokens=40, batch_size=3)
+    results = Decoder(model, tokenizer, drafter, tree).generate(PROMPTS, max_new_tokens=40, batch_size=3)
     assert [result.token_ids for result in results] == expected
     assert [result.finish_reason for result in results] == ["stop" if eos in t else "length" for t in alone]
     assert len(expected[0]) < 40 and any(len(tokens) == 40 for tokens in expected)  # some rows stopped early

@@ -1,5 +1,6 @@
 import json
 import shutil
+import types
 from pathlib import Path
 
 import pytest
@@ -56,18 +57,24 @@ def test_the_first_heads_alone_give_the_first_rows_of_all_heads(tiny, config, lm
 
 @pytest.mark.parametrize("lm_head", ["shared", "own"])
 def test_guesses_from_a_draft_vocabulary_are_its_best_tokens_by_the_full_logits(tiny, config, lm_head):
+    """Each head's top-k from a draft vocabulary: the full logits' best draft tokens, with their log-probabilities
+    over the draft vocabulary alone (what a dynamic tree ranks nodes by)."""
     model, heads = random_heads(tiny, config, lm_head)
     hidden, lm_head_module = torch.randn(config.hidden_size), model.get_output_embeddings()
     full = heads(hidden, lm_head_module, num_heads=2)  # (2, V)
     heads.config.draft_vocab = torch.randperm(config.vocab_size)[:40].tolist()
-    guesses = heads.guesses(hidden, lm_head_module, num_heads=2, k=5)  # (2, 5)
     outside = torch.ones(config.vocab_size, dtype=torch.bool)
     outside[heads.config.draft_vocab] = False
-    expected = full.masked_fill(outside, float("-inf")).topk(5, dim=-1).indices  # the full logits, draft tokens only
-    assert torch.equal(guesses, expected)
-    assert not torch.equal(guesses, full.topk(5, dim=-1).indices)  # not what the whole vocabulary gives
+    within = full.masked_fill(outside, float("-inf")).log_softmax(-1)  # (2, V) over the draft tokens only
+    for head in range(2):
+        guesses, logp = heads.guess(hidden, None, head, 5, lm_head_module)  # (5,) twice
+        assert torch.equal(guesses, within[head].topk(5).indices)
+        torch.testing.assert_close(logp, within[head].topk(5).values)
+        assert not torch.equal(guesses, full[head].topk(5).indices)  # not what the whole vocabulary gives
     heads.config.draft_vocab = None
-    assert torch.equal(heads.guesses(hidden, lm_head_module, num_heads=2, k=5), full.topk(5, dim=-1).indices)
+    guesses, logp = heads.guess(hidden, None, 1, 5, lm_head_module)
+    assert torch.equal(guesses, full[1].topk(5).indices)
+    torch.testing.assert_close(logp, full[1].log_softmax(-1).topk(5).values)
 
 
 @pytest.mark.parametrize("lm_head", ["shared", "own"])
@@ -101,8 +108,10 @@ def test_hydra_heads_fill_each_node_with_the_guess_for_its_own_path(tiny, config
     embed = torch.nn.Embedding(config.vocab_size, config.hidden_size)  # N(0, 1): the path weighs as much as hidden
     tree = Tree.from_paths([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (2, 0), (0, 0, 0), (1, 0, 0), (0, 1, 0)])
     hidden, root = torch.randn(config.hidden_size), torch.tensor([7])
+    proposer = heads.proposer(types.SimpleNamespace(lm_head=lm_head_module, embed=embed), {1: tree}, {})
+    proposer.hidden = [hidden]  # the row's hidden state at the root's parent
     with torch.no_grad():
-        tokens = heads.tree_tokens(hidden[None], root[None], tree, lm_head_module, embed, k=3)[0]  # (N+1,)
+        tokens = proposer.tokens(tree, root[None])[0]  # (N+1,)
         assert tokens.shape == (tree.size,) and tokens[0] == 7
         for node, path in enumerate(tree.paths, 1):
             ancestors = tree.mask[tree.parents[node]].nonzero()[:, 0]  # root .. parent

@@ -14,7 +14,7 @@ from mtp.drafters import DRAFTERS
 from mtp.folder import HeadsConfig
 from mtp.lookup import Lookup
 from mtp.sampling import Sampling
-from mtp.tree import Tree
+from mtp.tree import DynamicTree, Tree
 from tests.test_decoding import feature_layers, random_heads, reference, tiny_model
 
 VOCAB = 8
@@ -22,9 +22,9 @@ PROMPT = torch.tensor([[3, 7, 1]])
 TREE = Tree.from_paths([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
 
 
-def small_vocab_decoder(seed=0, sliding_window=None, head_type="medusa", lookup=None) -> Decoder:
+def small_vocab_decoder(seed=0, sliding_window=None, head_type="medusa", lookup=None, tree=TREE) -> Decoder:
     """A 1-layer Llama (a Mistral if `sliding_window`) over 8 tokens, peaked enough that a few continuations
-    dominate, random heads, and `lookup`."""
+    dominate, random heads on `tree`, and `lookup`."""
     torch.manual_seed(seed)
     window = {"sliding_window": sliding_window} if sliding_window else {}
     config = AutoConfig.for_model("mistral" if sliding_window else "llama", vocab_size=VOCAB, hidden_size=16,
@@ -40,7 +40,7 @@ def small_vocab_decoder(seed=0, sliding_window=None, head_type="medusa", lookup=
     heads = DRAFTERS[head_type].new(config, model)
     for parameter in heads.parameters():
         torch.nn.init.normal_(parameter, std=0.5)
-    return Decoder(model, None, heads.eval(), TREE, lookup)
+    return Decoder(model, None, heads.eval(), tree, lookup)
 
 
 def exact_joint(model, sampling: Sampling, prompt: torch.Tensor = PROMPT) -> dict[tuple, float]:
@@ -89,20 +89,39 @@ SETTINGS = [Sampling(temperature=1.0, seed=0), Sampling(temperature=0.7, top_k=6
 
 
 @pytest.mark.parametrize(
-    "sampling, sliding_window, head_type, lookup",
+    "sampling, sliding_window, head_type, lookup, tree",
     [
-        (SETTINGS[0], None, "medusa", None),
-        (SETTINGS[1], None, "medusa", None),
-        (Sampling(temperature=1.0, seed=2 * 10**6), 2, "medusa", None),
-        (Sampling(temperature=0.7, top_k=6, top_p=0.9, seed=3 * 10**6), None, "hydra", None),
-        (Sampling(temperature=1.0, seed=4 * 10**6), None, "medusa", Lookup((3, 3))),
-        (Sampling(temperature=1.0, seed=5 * 10**6), None, "eagle", None),
+        (SETTINGS[0], None, "medusa", None, TREE),
+        (SETTINGS[1], None, "medusa", None, TREE),
+        (Sampling(temperature=1.0, seed=2 * 10**6), 2, "medusa", None, TREE),
+        (Sampling(temperature=0.7, top_k=6, top_p=0.9, seed=3 * 10**6), None, "hydra", None, TREE),
+        (Sampling(temperature=1.0, seed=4 * 10**6), None, "medusa", Lookup((3, 3)), TREE),
+        (Sampling(temperature=1.0, seed=5 * 10**6), None, "eagle", None, TREE),
+        (Sampling(temperature=1.0, seed=6 * 10**6), None, "hydra", None, DynamicTree(5, 3, 2)),
+        (
+            Sampling(temperature=0.7, top_k=6, top_p=0.9, seed=7 * 10**6),
+            None,
+            "eagle",
+            Lookup((3, 3)),
+            DynamicTree(5, 3, 2),
+        ),
     ],
-    # window 2: the last 3 tokens see their last 2; lookup: its candidates beside the heads', in the same tree
-    ids=["t1", "t0.7-k6-p0.9", "t1-window2", "t0.7-k6-p0.9-hydra", "t1-lookup", "t1-eagle"],
+    # window 2: the last 3 tokens see their last 2; lookup: its candidates beside the heads', in the same tree;
+    # dynamic: each step's tree chosen from the drafter's probabilities
+    ids=[
+        "t1",
+        "t0.7-k6-p0.9",
+        "t1-window2",
+        "t0.7-k6-p0.9-hydra",
+        "t1-lookup",
+        "t1-eagle",
+        "t1-hydra-dynamic",
+        "t0.7-k6-p0.9-eagle-dynamic-lookup",
+    ],
 )
-def test_exact_acceptance_samples_the_base_models_joint_distribution(sampling, sliding_window, head_type, lookup):
-    decoder = small_vocab_decoder(sliding_window=sliding_window, head_type=head_type, lookup=lookup)
+def test_exact_acceptance_samples_the_base_models_joint_distribution(sampling, sliding_window, head_type, lookup,
+                                                                     tree):  # fmt: skip
+    decoder = small_vocab_decoder(sliding_window=sliding_window, head_type=head_type, lookup=lookup, tree=tree)
     joint = exact_joint(decoder.base_model, sampling)
     found, settled = sample(decoder, sampling, 20_000)
     accepted = sum(v for k, v in settled.items() if isinstance(k, int) and k > 1)

@@ -10,8 +10,8 @@ from mtp.decoding import Decoder
 from mtp.drafters import DRAFTERS
 from mtp.heads import MedusaHeads
 from mtp.lookup import FULL, Lookup
-from mtp.sizing import BATCH_SIZES, SIZES, held_out_roots, simulate, size_tree, step_costs
-from mtp.tree import Tree, grow_tree, named_tree
+from mtp.sizing import BATCH_SIZES, SIZES, grown_accepts, held_out_roots, simulate, size_tree, step_costs
+from mtp.tree import DynamicTree, Tree, grow_tree, named_tree
 from tests.conftest import TINY_BASE
 from tests.test_decoding import PROMPT, random_heads, reference, tiny_model
 from tests.test_stopping import save_random_heads
@@ -119,6 +119,8 @@ def test_sizing_with_held_out_answers_simulates_each_size_and_saves_the_best_tre
     copy = {"left": left, "order": torch.full((8, 2), 6), "match": torch.full((8,), 2),
             "chain": torch.full((8,), 10), "right": left}  # fmt: skip
     monkeypatch.setattr(mtp.sizing, "held_out_roots", lambda *args: copy)
+    dynamic = [{"plan": "dynamic:4:2:2", "speedup": 1.5, "static_speedup": 1.6, "lengths": [1]}]  # static wins
+    monkeypatch.setattr(mtp.sizing, "dynamic_trees", lambda *args: dynamic)
     path, _, _ = save_random_heads(tmp_path)
     heads = MedusaHeads.from_pretrained(path)
     heads.config.calibration = CALIBRATION + [[0.0, 0.0, 0.0]]
@@ -145,6 +147,13 @@ def test_sizing_with_held_out_answers_simulates_each_size_and_saves_the_best_tre
     assert sorted(decoder.plans) == [1, *BATCH_SIZES] and decoder.plans[16][1].lengths == (0, 7)
     assert list(mtp.load(path, tree="chain").plans) == [1]  # a tree the caller chose holds for every batch
     assert mtp.load(path, lookup=mtp.Lookup((0,))).lookup is None  # the caller can turn it off
+    # a dynamic tree faster than every static one on the same answers is saved, with its lookup, and load takes it
+    dynamic[0]["speedup"] = 3.0
+    table = size_tree(path, max_nodes=7, held_out=["answers"])
+    assert table["chosen_dynamic"] == "dynamic:4:2:2" and table["chosen_lookup"] == [1]
+    decoder = mtp.load(path)
+    assert decoder.tree == DynamicTree(4, 2, 2) and decoder.lookup.lengths == (1,)
+    assert mtp.load(path, tree="chain").tree.size == 4  # the caller's tree still comes first
 
 
 @pytest.mark.parametrize("head_type", DRAFTERS)
@@ -172,3 +181,12 @@ def test_the_simulation_takes_the_steps_that_decoding_takes(head_type):
         if size == 9 and lengths:  # both drafters had candidates accepted
             accepted = sum(sum(result.accept_lengths) - result.forward_passes for result in results)
             assert 0 < sum(result.lookup_accepted for result in results) < accepted
+    # dynamic trees: the draft grown at every root, its n most probable nodes for n nodes
+    accepts = grown_accepts(model, heads, examples, DynamicTree(9, 4, 2))  # (R, 9)
+    assert accepts.shape == (len(roots["left"]), 9) and accepts[:, -1].sum() > 0
+    for size, lengths in [(3, []), (9, []), (9, [0, 3, 10])]:
+        decoder = Decoder(model, tokenizer, heads, DynamicTree(size, 4, 2), Lookup(tuple(lengths) or (0,)))
+        results = [decoder.generate(prompt, max_new_tokens=30) for prompt in prompts]
+        tokens, steps, _ = simulate(roots, size, lengths, [1.0] * 30, heads=accepts[:, size - 1])
+        assert steps == sum(result.forward_passes for result in results)
+        assert tokens == sum(len(result.token_ids) - 1 for result in results)
