@@ -116,7 +116,6 @@ SETTINGS = [Sampling(temperature=1.0, seed=0), Sampling(temperature=0.7, top_k=6
         "t1-lookup",
         "t1-eagle",
         "t1-hydra-dynamic",
-        "t0.7-k6-p0.9-eagle-dynamic-lookup",
     ],
 )
 def test_exact_acceptance_samples_the_base_models_joint_distribution(sampling, sliding_window, head_type, lookup,
