@@ -80,11 +80,9 @@ class Decoder:
         self.plans = {}  # rows -> (tree, lookup or None) of a step over at least that many rows
         for rows, (plan_tree, plan_lookup) in ({1: (tree, lookup)} | (batch_trees or {})).items():
             plan_tree = plan_tree if heads is not None and plan_tree is not None else Tree.from_paths([])
-            if isinstance(plan_tree, DynamicTree) and heads.max_depth is not None and plan_tree.depth > heads.max_depth:
-                raise ValueError(f"{plan_tree} is {plan_tree.depth} levels deep, but there are only {heads.max_depth} "
-                                 f"heads: give at most {heads.max_depth} levels.")  # fmt: skip
-            if isinstance(plan_tree, Tree) and plan_tree.size > 1 and heads.max_depth is not None:
-                Tree.from_paths(plan_tree.paths, num_heads=heads.max_depth)  # check the depth fits the heads
+            if plan_tree.size > 1 and heads.max_depth is not None and plan_tree.depth > heads.max_depth:
+                raise ValueError(f"The tree is {plan_tree.depth} levels deep, but there are only {heads.max_depth} "
+                                 f"heads: give a tree at most {heads.max_depth} deep.")  # fmt: skip
             self.plans[rows] = plan_tree, plan_lookup if plan_lookup is not None and plan_lookup.reach else None
         self.tree, self.lookup = self.plans[1]
         self.eos_ids, self.context = self.target.eos_ids, self.target.context

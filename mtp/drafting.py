@@ -44,8 +44,7 @@ class Proposer:
         `input_ids[:p]` with the first new token `input_ids[p]`, from `states` of one pass over the whole sequence
         (for `mtp.sizing`'s simulation of decoding)."""
         for p in roots:
-            cut = States(states.last[:, :p], states.layers and tuple(layer[:, :p] for layer in states.layers))
-            self.add(input_ids[:p], cut, int(input_ids[p]))
+            self.add(input_ids[:p], states.prefix(p), int(input_ids[p]))
 
 
 @dataclass
@@ -76,10 +75,14 @@ class TreeProposer(Proposer):
         self.target, self.plans, self._trees = target, plans, cut
 
     def plan(self, rows: int) -> Tree | DynamicTree:
-        return self.plans[max(b for b in self.plans if b <= rows)]
+        return self.plans[self._batch(rows)]
+
+    def _batch(self, rows: int) -> int:
+        """The plan's key for a step over `rows` rows: the largest batch size it reaches."""
+        return max(b for b in self.plans if b <= rows)
 
     def tree(self, rows: int, depth: int) -> Tree:
-        batch = max(b for b in self.plans if b <= rows)
+        batch = self._batch(rows)
         depth = min(depth, self.plans[batch].depth)
         if (batch, depth) not in self._trees:  # each plan's tree cut at each depth, on the model's device
             self._trees[batch, depth] = self.plans[batch].within(depth).to(self.target.device)

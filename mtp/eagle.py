@@ -27,7 +27,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 
 from mtp.drafting import TreeProposer
 from mtp.folder import Drafter, HeadsConfig
-from mtp.target import States, Target
+from mtp.target import Target
 from mtp.tree import DynamicTree, Tree
 
 # the base's rotary settings the drafter's layer takes: its type, theta and scaling (not a partial rotary factor:
@@ -351,8 +351,8 @@ class EagleProposer(TreeProposer):
         """One prefill of the whole sequence: the row at root p sees its first p entries (an empty batch only)."""
         if self.keys is not None:
             raise ValueError("at_roots starts a batch: keep no rows before it.")
-        last = States(states.last[:, :-1], states.layers and tuple(layer[:, :-1] for layer in states.layers))
-        out, (keys, values) = self._prefill(input_ids[:-1], last, int(input_ids[-1]))  # entry p - 1: the root p
+        length = len(input_ids) - 1  # entry p - 1 holds the root p
+        out, (keys, values) = self._prefill(input_ids[:-1], states.prefix(length), int(input_ids[-1]))
         at = torch.tensor(roots, device=out.device)  # (B,)
         self.keys, self.values = keys.expand(len(roots), -1, -1, -1), values.expand(len(roots), -1, -1, -1)
         self.seen = torch.arange(out.shape[1], device=out.device)[None] < at[:, None]  # (B, S)

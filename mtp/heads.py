@@ -82,7 +82,8 @@ class Heads(Drafter):
         """Token ids of every head's top-k guesses at every position of one sequence, heads that read the path
         reading the true one: hidden (T, H), input_ids (T,) -> (K, T, k); `features` is unused."""
         following = embed(following_tokens(input_ids[None], self.config.num_heads))[0] if self.reads_path else None
-        return self._best(hidden, base_lm_head, self.config.num_heads, k, following)
+        heads = range(self.config.num_heads)
+        return torch.stack([self.guess(hidden, following, head, k, base_lm_head)[0] for head in heads])  # (K, T, k)
 
     def state(self, k: int, hidden: torch.Tensor, following: torch.Tensor | None) -> torch.Tensor:
         """Head k's last hidden state (..., H), before its projection.
@@ -122,15 +123,6 @@ class Heads(Drafter):
         if self.projections is None:  # one pass over the shared weight for all heads, not one per head
             return base_lm_head(states)
         return torch.stack([self.projections[first + i](state) for i, state in enumerate(states)])
-
-    def _best(self, hidden, base_lm_head, num_heads: int, k: int, following=None, first: int = 0) -> torch.Tensor:
-        """Token ids of the top-k guesses of heads first .. first+num_heads-1, from the draft vocabulary if
-        there is one: hidden (..., H) -> (K, ..., k)."""
-        if self.config.draft_vocab is None:
-            states = self._states(hidden, following, first, first + num_heads)  # (K, ..., H)
-            return self._project(states, base_lm_head, first).topk(k, dim=-1).indices
-        ids, _ = self._draft_rows(base_lm_head)  # (N,)
-        return ids[self.draft_logits(hidden, base_lm_head, num_heads, following, first).topk(k, dim=-1).indices]
 
     def guess(self, hidden, following, head: int, k: int, base_lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """Head `head`'s top-k guesses, from the draft vocabulary if there is one: their token ids (..., k) and log

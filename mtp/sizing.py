@@ -57,6 +57,15 @@ def timed_sizes(paths: list[Path], batch: int) -> list[int]:
     return [s for s in SIZES if s <= len(paths) + 1 and (batch == 1 or s <= BATCH_MAX_NODES)]
 
 
+def timed(call, device: torch.device) -> float:
+    """Seconds that `call()` takes on `device` (waiting for a GPU to finish)."""
+    start = time.perf_counter()
+    call()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 def measure_steps(model, tokenizer, heads: Drafter, paths: list[Path], context: int, steps: int = 4,
                   rounds: int = 3, batch: int = 1) -> list[float]:  # fmt: skip
     """Seconds per decoding step of `batch` rows for each of `timed_sizes`, after prompts of `context` random
@@ -76,11 +85,7 @@ def measure_steps(model, tokenizer, heads: Drafter, paths: list[Path], context: 
                     rows.add(prompt)
                 rows.step()  # warm-up
                 for _ in range(steps):
-                    start = time.perf_counter()
-                    rows.step()
-                    if model.device.type == "cuda":
-                        torch.cuda.synchronize()
-                    times[size, usual].append(time.perf_counter() - start)
+                    times[size, usual].append(timed(rows.step, model.device))
     median = {way: sorted(spent)[len(spent) // 2] for way, spent in times.items()}
     return [min(median[1, False], median[1, True])] + [median[size, False] for size in sizes[1:]]
 
@@ -200,11 +205,7 @@ def measure_drafting(model, tokenizer, heads: Drafter, plans: list, context: int
         rows.step()
         spent = []
         for _ in range(steps):
-            start = time.perf_counter()
-            rows.propose()
-            if model.device.type == "cuda":
-                torch.cuda.synchronize()
-            spent.append(time.perf_counter() - start)
+            spent.append(timed(rows.propose, model.device))
         seconds.append(sorted(spent)[len(spent) // 2])
     return seconds
 

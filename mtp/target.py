@@ -18,6 +18,10 @@ class States:
     """transformers' `hidden_states` ((B, Q, H) each: 0 the input embeddings, i decoder layer i - 1's output), when
     a drafter reads features; None otherwise."""
 
+    def prefix(self, length: int) -> "States":
+        """The states of the first `length` queries."""
+        return States(self.last[:, :length], self.layers and tuple(layer[:, :length] for layer in self.layers))
+
     def features(self, layers: list[int], row: int, nodes: torch.Tensor | slice) -> torch.Tensor:
         """(n, F) the concatenated hidden states at `layers` (the last ones for no layers) of `nodes` of `row`."""
         if not layers:
