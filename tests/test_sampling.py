@@ -98,13 +98,6 @@ SETTINGS = [Sampling(temperature=1.0, seed=0), Sampling(temperature=0.7, top_k=6
         (Sampling(temperature=1.0, seed=4 * 10**6), None, "medusa", Lookup((3, 3)), TREE),
         (Sampling(temperature=1.0, seed=5 * 10**6), None, "eagle", None, TREE),
         (Sampling(temperature=1.0, seed=6 * 10**6), None, "hydra", None, DynamicTree(5, 3, 2)),
-        (
-            Sampling(temperature=0.7, top_k=6, top_p=0.9, seed=7 * 10**6),
-            None,
-            "eagle",
-            Lookup((3, 3)),
-            DynamicTree(5, 3, 2),
-        ),
     ],
     # window 2: the last 3 tokens see their last 2; lookup: its candidates beside the heads', in the same tree;
     # dynamic: each step's tree chosen from the drafter's probabilities
