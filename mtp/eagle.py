@@ -249,10 +249,14 @@ class Eagle(Drafter):
         return self._rows_cache
 
     def teacher_forced(self, hidden, features, input_ids, keep, base_lm_head, embed) -> torch.Tensor:
-        """Training: the draft logits (K, N, D) of the K unrolled steps, step k where head k of Medusa heads would
-        be (at position t, the last true feature of its chain, for token t + k + 2), at the N positions `keep`
-        (B, T) marks; features (B, T, F) the base model's features, input_ids (B, T). `hidden` is unused."""
-        return self.logits(self._aligned(features, input_ids, embed)[:, keep], base_lm_head)  # (K, N, D)
+        """Training: the draft logits (K, N, D) of `forced`'s outputs. `hidden` is unused."""
+        return self.logits(self.forced(features, input_ids, keep, embed), base_lm_head)  # (K, N, D)
+
+    def forced(self, features, input_ids, keep, embed) -> torch.Tensor:
+        """Training: the output features (K, N, H) of the K unrolled steps, step k where head k of Medusa heads
+        would be (at position t, the last true feature of its chain, for token t + k + 2), at the N positions `keep`
+        (B, T) marks; features (B, T, F) the base model's features, input_ids (B, T)."""
+        return self._aligned(features, input_ids, embed)[:, keep]
 
     def path_guesses(self, hidden, features, input_ids, base_lm_head, embed, k: int) -> torch.Tensor:
         """Target ids of every step's top-k guesses at every position of one sequence, unrolled along the true

@@ -75,3 +75,19 @@ def heads_loss(
     per_head = per_head.sum(1) / counts.clamp(min=1)  # (K,)
     total = (per_head * per_head.new_tensor(weights)).sum()
     return total, per_head
+
+
+def feature_regression(outputs: torch.Tensor, wanted: torch.Tensor, targets: torch.Tensor, weights: list[float]):
+    """Weighted sum over steps of the mean smooth-L1 distance (per hidden unit) between each step's feature and the
+    one it should be, at the positions where the step has a target.
+
+    Args:
+        outputs: (K, N, H) the drafter's features.
+        wanted: (K, N, H) the features to regress onto.
+        targets: (K, N) the steps' targets, IGNORE where masked.
+        weights: K weights.
+    """
+    distance = F.smooth_l1_loss(outputs.float(), wanted.float(), reduction="none").mean(-1)  # (K, N)
+    valid = targets != IGNORE  # (K, N)
+    per_step = (distance * valid).sum(1) / valid.sum(1).clamp(min=1)  # (K,)
+    return (per_step * per_step.new_tensor(weights)).sum()

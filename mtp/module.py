@@ -15,7 +15,7 @@ from torchmetrics import MeanMetric, Metric
 from mtp.base import DEFAULT_BASE, load_base
 from mtp.drafters import DRAFTERS
 from mtp.folder import Drafter, HeadsConfig, base_identity, weights_fingerprint
-from mtp.loss import IGNORE, default_weights, head_targets, heads_loss, shifted
+from mtp.loss import IGNORE, default_weights, feature_regression, head_targets, heads_loss, shifted
 
 TOP_K = (1, 5)
 RANKS = 10  # calibration: how often each head's rank-r guess is right, r < RANKS
@@ -125,6 +125,7 @@ class HeadsModule(L.LightningModule):
         feature_layers: list[int] | None = None,
         feature_noise: float = 0.0,
         cache_dtype: str = "float32",
+        feature_loss: float = 0.0,
     ):
         """Medusa-style heads trained by teacher forcing on a frozen base model (or, with `lora`, on the base
         model trained through low-rank adapters at the same time).
@@ -158,6 +159,9 @@ class HeadsModule(L.LightningModule):
             feature_noise: for `eagle`: standard deviation of the Gaussian noise added to the base model's features
                 in training (0: none), so that the drafter learns to read imperfect ones, as it must its own.
             cache_dtype: `float32` or `bfloat16` (half the memory) for the hidden states `cache_hidden` keeps.
+            feature_loss: for `eagle`: the weight of a feature regression added to the loss (0: none): the smooth-L1
+                distance between each unrolled step's normed output and the base model's last hidden state that
+                scores the same token (what the base's lm_head reads), as EAGLE trains its features.
         """
         super().__init__()
         if isinstance(lora, dict):  # from a checkpoint's hyperparameters
@@ -171,6 +175,9 @@ class HeadsModule(L.LightningModule):
         self.weights = weights
         if draft_vocab < 0:
             raise ValueError(f"draft_vocab={draft_vocab}: use 0 (the whole vocabulary) or a number of tokens.")
+        if feature_loss < 0 or (feature_loss and head_type != "eagle"):
+            raise ValueError(f"feature_loss={feature_loss}: a weight >= 0, for head_type eagle only (the drafter that "
+                             f"outputs features); set 0 for {head_type} heads.")  # fmt: skip
         if cache_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"cache_dtype={cache_dtype!r}: choose 'float32' or 'bfloat16'.")
         if lora is not None and cache_hidden:
@@ -268,17 +275,28 @@ class HeadsModule(L.LightningModule):
         lm_head, num_heads = self.base_model.get_output_embeddings(), len(self.weights)
         embed = self.base_model.get_input_embeddings()
         # (K, N, V), or (K, N, D): the heads learn to rank the draft tokens only, as they will when decoding
-        logits = self.heads.teacher_forced(hidden, features, batch["input_ids"], keep, lm_head, embed)
+        if self.hparams.feature_loss:  # eagle: its output features (K, N, H) are regressed too
+            outputs = self.heads.forced(features, batch["input_ids"], keep, embed)
+            logits = self.heads.logits(outputs, lm_head)
+        else:
+            logits = self.heads.teacher_forced(hidden, features, batch["input_ids"], keep, lm_head, embed)
         draft = self.heads.config.draft_vocab
         scored = targets if draft is None else draft_columns(targets, draft, self.heads.config.vocab_size)  # (K, N)
+        # (K, N, H) the base model's last hidden state at t+k+1, which scores token t+k+2; a target, not a path for
+        # gradients into the adapters
+        before = None
+        if self.hparams.teacher or self.hparams.feature_loss:
+            before = torch.stack([shifted(hidden.detach(), k + 1)[keep] for k in range(num_heads)])
         teacher = None
         if self.hparams.teacher:  # head k's target: the base model's own prediction at t+k+1, for token t+k+2
-            # (K, N, H); a target, not a path for gradients into the adapters
-            before = torch.stack([shifted(hidden.detach(), k + 1)[keep] for k in range(num_heads)])
             rows = lm_head.weight if draft is None else lm_head.weight[torch.tensor(draft, device=hidden.device)]
             teacher = before @ rows.T  # (K, N, V or D)
         loss, per_head = heads_loss(logits, targets if teacher is not None else scored, self.weights, teacher)
         batch_size = batch["input_ids"].shape[0]
+        if self.hparams.feature_loss:
+            regression = feature_regression(self.heads.norm(outputs), before, targets, self.weights)
+            loss = loss + self.hparams.feature_loss * regression
+            self.log(f"{stage}/feature_loss", regression, batch_size=batch_size, sync_dist=stage == "val")
         lora = self.lora
         if lora is not None:
             drift, agreement = self.drift(batch, hidden)

@@ -4,13 +4,15 @@ after acceptance against a fresh run, and its training."""
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.nn import functional as F
 
 from mtp.base import load_tokenizer
-from mtp.data import HeadsDataModule
+from mtp.data import HeadsDataModule, collate, encode
 from mtp.decoding import Decoder
 from mtp.eagle import EagleProposer
 from mtp.folder import Drafter
 from mtp.module import HeadsModule
+from mtp.rows import read_rows, to_example
 from mtp.tree import Tree
 from tests.conftest import TINY_BASE, TINY_CHAT
 from tests.test_decoding import PROMPT, random_heads, reference, tiny_model
@@ -136,3 +138,38 @@ def test_training_moves_the_drafter_only_and_its_folder_decodes_losslessly(tmp_p
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     result = decoder.generate(PROMPT, max_new_tokens=20)
     assert result.token_ids == reference(module.base_model, ids, 20)[: len(result.token_ids)]
+
+
+@torch.no_grad()
+def test_the_feature_loss_regresses_each_steps_output_onto_the_base_state_that_scores_the_same_token(tokenizer):
+    """By hand, one position at a time: step k's output at entry t + k + 1 (the one that scores token t + k + 2),
+    normed, against the base model's last hidden state at t + k + 1, on assistant tokens only, weighted per step."""
+    weights, scale = [1.0, 0.5], 3.0
+    module = HeadsModule(TINY_BASE, head_type="eagle", num_heads=2, loss_weights=weights, feature_loss=scale)
+    torch.manual_seed(0)
+    for parameter in module.heads.parameters():
+        torch.nn.init.normal_(parameter, std=0.3)
+    examples = [(*encode(tokenizer, to_example(row), 512), i) for i, row in enumerate(read_rows(TINY_CHAT)[:3])]
+    embed, layers = module.base_model.get_input_embeddings(), module.heads.config.feature_layers
+    sums, counts = [0.0, 0.0], [0, 0]
+    for ids, mask, _ in examples:
+        out = module.base_model.get_decoder()(input_ids=ids[None], output_hidden_states=True)
+        features = torch.cat([out.hidden_states[i] for i in layers], -1)  # (1, T, F)
+        steps = module.heads.unroll(features, ids[None], embed, 2)[:, 0]  # (K, T-1, H): entry j at index j - 1
+        for k in range(2):
+            for t in range(len(ids) - k - 2):
+                if mask[t + k + 2]:
+                    normed = module.heads.norm(steps[k, t + k])  # entry t + k + 1
+                    sums[k] += F.smooth_l1_loss(normed, out.last_hidden_state[0, t + k + 1])
+                    counts[k] += 1
+    expected = sum(weight * total / count for weight, total, count in zip(weights, sums, counts, strict=True))
+    with_regression = module.training_step(collate(examples), 0)
+    module.hparams.feature_loss = 0.0
+    torch.testing.assert_close(with_regression - module.training_step(collate(examples), 0), scale * expected)
+
+
+def test_the_feature_loss_is_for_the_feature_level_drafter_only():
+    with pytest.raises(ValueError, match="head_type eagle only"):
+        HeadsModule(TINY_BASE, head_type="hydra", num_heads=2, feature_loss=1.0)
+    with pytest.raises(ValueError, match="feature_loss=-1"):
+        HeadsModule(TINY_BASE, head_type="eagle", num_heads=2, feature_loss=-1.0)
