@@ -1,5 +1,5 @@
 """Benchmark mtp against the fastest plain decoder and Hugging Face prompt-lookup decoding (when mtp's own prompt
-lookup is on, against mtp with its heads alone too; with --against, against another drafter), interleaved prompt
+lookup is on, against mtp with its heads alone too; with --against, against other drafters), interleaved prompt
 by prompt in one process: tau, tokens/s, speedups and the accepted candidates that came from the heads and from
 lookup, per category; when greedy, a check that every mtp output equals plain `generate`'s. With --temperature > 0
 all sample (the same temperature, top-k and top-p).
@@ -35,8 +35,8 @@ from mtp.rows import read_rows
 from mtp.sampling import Sampling, add_sampling_arguments, sampling_from
 from mtp.tree import TREE_HELP
 
-# heads: mtp without its prompt lookup, when that is on; other_drafter: mtp with the drafter of --against
-METHODS = ("plain", "plain_fast", "lookup", "heads", "other_drafter", "mtp")
+# heads: mtp without its prompt lookup, when that is on; the drafters of --against follow as against_1, against_2, ...
+METHODS = ("plain", "plain_fast", "lookup", "heads", "mtp")
 PLAIN = ("plain", "plain_fast")  # plain `generate` with the usual products, and with mtp's (when they differ)
 
 
@@ -62,12 +62,18 @@ def timed_generate(model, prompts: list[torch.Tensor], max_new_tokens: int, samp
     return outputs, time.perf_counter() - start
 
 
+def timed(row: dict) -> list[str]:
+    """The decoders timed in a row of results: those of METHODS that ran, in that order, then the --against ones."""
+    names = [key.removesuffix("_seconds") for key in row if key.endswith("_seconds")]
+    return [name for name in METHODS if name in names] + [name for name in names if name.startswith("against_")]
+
+
 def summarise(rows: list[dict]) -> dict:
     """Totals over questions: each method's tokens/s counts its own tokens; mismatches count the questions where
     mtp's output differs from plain `generate`'s (greedy only; None when sampling)."""
     tokens, passes = sum(row["mtp_tokens"] for row in rows), sum(row["forward_passes"] for row in rows)
     speed = {name: sum(row[f"{name}_tokens"] for row in rows) / sum(row[f"{name}_seconds"] for row in rows)
-             for name in METHODS if f"{name}_seconds" in rows[0]}  # fmt: skip
+             for name in timed(rows[0])}  # fmt: skip
     candidates = sum(sum(row["accept_lengths"]) for row in rows) - passes  # accepted, bonus tokens left out
     from_lookup = sum(row["lookup_accepted"] for row in rows)
     return {
@@ -77,22 +83,28 @@ def summarise(rows: list[dict]) -> dict:
         "speedup_vs_fastest_plain": speed["mtp"] / max(speed[name] for name in PLAIN if name in speed),
         "accepted_from_heads": candidates - from_lookup, "accepted_from_lookup": from_lookup,
         "mismatches": None if rows[0]["matches_plain"] is None else sum(not row["matches_plain"] for row in rows),
-    } | (other_drafter(rows) if "other_drafter_passes" in rows[0] else {})  # fmt: skip
+    } | against(rows)  # fmt: skip
 
 
-def other_drafter(rows: list[dict]) -> dict:
-    """The tau and mismatches of the drafter of --against."""
-    passes = sum(row["other_drafter_passes"] for row in rows)
-    matches = [row["other_drafter_matches_plain"] for row in rows]
-    return {"other_drafter_tau": sum(row["other_drafter_tokens"] for row in rows) / max(passes, 1),
-            "other_drafter_mismatches": None if matches[0] is None else matches.count(False)}  # fmt: skip
+def against(rows: list[dict]) -> dict:
+    """The tau and mismatches of each --against drafter."""
+    summary = {}
+    for name in [name for name in timed(rows[0]) if name.startswith("against_")]:
+        passes = sum(row[f"{name}_passes"] for row in rows)
+        matches = [row[f"{name}_matches_plain"] for row in rows]
+        summary[f"{name}_tau"] = sum(row[f"{name}_tokens"] for row in rows) / max(passes, 1)
+        summary[f"{name}_mismatches"] = None if matches[0] is None else matches.count(False)
+    return summary
 
 
 def markdown(summary: dict[str, dict]) -> str:
-    others = [name for name in METHODS[:-1] if f"speedup_vs_{name}" in summary["overall"]]
+    speeds = [key.removesuffix("_tokens_per_second") for key in summary["overall"] if key.endswith("_per_second")]
+    others = [name for name in speeds if name != "mtp"]  # in `timed`'s order
+    drafters = [name for name in others if name.startswith("against_")]
     ratios = (["fastest_plain"] if "plain_fast" in others else []) + others  # vs the faster plain one first
     columns = ["category", "questions", "tau", *(f"{name.replace('_', ' ')} tok/s" for name in ["mtp", *others])]
     columns += [*(f"vs {name.replace('_', ' ')}" for name in ratios), "accepted from heads / lookup", "mismatches"]
+    columns += [f"{name.replace('_', ' ')} {figure}" for name in drafters for figure in ("tau", "mismatches")]
     lines = ["| " + " | ".join(columns) + " |", "| --- |" + " ---: |" * (len(columns) - 1)]
     for name, s in summary.items():
         figures = [s["questions"], f"{s['tau']:.2f}"]
@@ -100,6 +112,9 @@ def markdown(summary: dict[str, dict]) -> str:
         figures += [f"{s[f'speedup_vs_{method}']:.2f}x" for method in ratios]
         figures += [f"{s['accepted_from_heads']} / {s['accepted_from_lookup']}"]
         figures += ["n/a (sampling)" if s["mismatches"] is None else s["mismatches"]]
+        for drafter in drafters:
+            mismatches = s[f"{drafter}_mismatches"]
+            figures += [f"{s[f'{drafter}_tau']:.2f}", "n/a (sampling)" if mismatches is None else mismatches]
         lines.append(f"| {name} | " + " | ".join(str(figure) for figure in figures) + " |")
     return "\n".join(lines)
 
@@ -167,15 +182,12 @@ def batch_markdown(rows: list[dict], questions: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", required=True)
-    parser.add_argument("--against", metavar="HEADS",
-                        help="also decode with this drafter folder (for the same base, with its own saved tree and "
-                        "lookup), interleaved in the same run: `other drafter`")  # fmt: skip
-    parser.add_argument(
-        "--against-tree",
-        metavar="TREE",
-        help="the --against drafter's tree instead of its saved "
-        "one (as --tree); with --against the same folder: two trees of one drafter side by side",
-    )
+    parser.add_argument("--against", metavar="HEADS", action="append", default=[],
+                        help="also decode with this drafter folder (for the same base, with its own saved tree "
+                        "and lookup), interleaved in the same run; repeat it for more (against 1, 2, ...)")  # fmt: skip
+    parser.add_argument("--against-tree", metavar="TREE", action="append", default=[],
+                        help="the --against drafters' trees instead of their saved ones (as --tree), one per "
+                        "--against in order; with one folder twice: two trees of one drafter side by side")  # fmt: skip
     parser.add_argument("--questions", required=True, help="JSON lines with `turns` (first turn used) or `prompt`")
     parser.add_argument("--limit", type=int, help="the first N questions, spread over categories in file order")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -190,6 +202,11 @@ def main() -> None:
     parser.add_argument("--out", default="runs/bench/bench.json", help="JSON out; the Markdown table goes beside it")
     args = parser.parse_args()
     sampling = sampling_from(args)
+    if args.against_tree and len(args.against_tree) != len(args.against):
+        raise ValueError(
+            f"--against-tree given {len(args.against_tree)} times for {len(args.against)} --against "
+            "drafters: give one tree per --against, in the same order (a number N for the grown tree)."
+        )
     if args.batch_size and min(args.batch_size) < 1:
         raise ValueError(f"--batch-size {args.batch_size}: give batch sizes of 1 or more.")
     if args.seed is not None:
@@ -197,7 +214,9 @@ def main() -> None:
     decoder = mtp.load(args.heads, args.device, getattr(torch, args.dtype), tree=args.tree, lookup=lookup_from(args))
     alone = decoder.lookup and not args.batch_size  # mtp with its heads alone, beside mtp with its lookup
     heads_alone = alone and Decoder(decoder.base_model, decoder.tokenizer, decoder.heads, decoder.tree)
-    other = args.against and mtp.load(args.against, args.device, getattr(torch, args.dtype), tree=args.against_tree)
+    trees = args.against_tree or [None] * len(args.against)
+    others = [mtp.load(path, args.device, getattr(torch, args.dtype), tree=tree)
+              for path, tree in zip(args.against, trees, strict=True)]  # fmt: skip
     model = decoder.base_model
     questions = read_rows(args.questions)
     if args.limit:  # round-robin over categories, so a small limit still covers them all
@@ -210,7 +229,7 @@ def main() -> None:
         decoder.check_length(decoder.encode(messages).shape[1], args.max_new_tokens)
     warm_up = [{"role": "user", "content": "Hello"}]
     decoder.generate(warm_up, max_new_tokens=8, sampling=sampling)
-    for extra in (heads_alone, other):
+    for extra in (heads_alone, *others):
         if extra:
             extra.generate(warm_up, max_new_tokens=8, sampling=sampling)
     plain_fast = 1 in narrow_counts(model)  # else plain generate with mtp's products is plain generate itself
@@ -253,13 +272,14 @@ def main() -> None:
         if heads_alone:
             alone = heads_alone.generate(messages, max_new_tokens=args.max_new_tokens, sampling=sampling)
             rows[-1] |= {"heads_tokens": len(alone.token_ids), "heads_seconds": alone.seconds}
-        if other:
+        for number, other in enumerate(others, 1):
             theirs = other.generate(messages, max_new_tokens=args.max_new_tokens, sampling=sampling)
+            name = f"against_{number}"
             rows[-1] |= {
-                "other_drafter_tokens": len(theirs.token_ids),
-                "other_drafter_seconds": theirs.seconds,
-                "other_drafter_passes": theirs.forward_passes,
-                "other_drafter_matches_plain": theirs.token_ids == plain if sampling.greedy else None,
+                f"{name}_tokens": len(theirs.token_ids),
+                f"{name}_seconds": theirs.seconds,
+                f"{name}_passes": theirs.forward_passes,
+                f"{name}_matches_plain": theirs.token_ids == plain if sampling.greedy else None,
             }
     summary = {
         c: summarise([r for r in rows if r["category"] == c]) for c in dict.fromkeys(r["category"] for r in rows)

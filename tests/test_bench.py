@@ -112,11 +112,18 @@ def test_markdown_prints_one_row_per_category_with_the_summary_figures():
     assert table[2] == "| overall | 3 | 2.33 | 20.0 | 12.0 | 24.0 | 10.0 | 0.83x | 1.67x | 0.83x | 2.00x | 11 / 7 | 1 |"
 
 
-def test_another_drafter_is_summarised_beside_mtp_with_its_own_tau_and_mismatches():
-    rows = [{**r, "other_drafter_tokens": r["mtp_tokens"], "other_drafter_seconds": 4 * r["mtp_seconds"],
-             "other_drafter_passes": 35, "other_drafter_matches_plain": i != 0}
+def test_other_drafters_are_summarised_beside_mtp_each_with_its_own_tau_and_mismatches():
+    rows = [{**r, "against_1_tokens": r["mtp_tokens"], "against_1_seconds": 4 * r["mtp_seconds"],
+             "against_1_passes": 35, "against_1_matches_plain": i != 0,
+             "against_2_tokens": r["mtp_tokens"], "against_2_seconds": r["mtp_seconds"] / 2,
+             "against_2_passes": 15, "against_2_matches_plain": True}
             for i, r in enumerate(ROWS)]  # fmt: skip
     summary = summarise(rows)
-    assert summary["other_drafter_tokens_per_second"] == 5.0 and summary["speedup_vs_other_drafter"] == 4.0
-    assert summary["other_drafter_tau"] == pytest.approx(35 / 105) and summary["other_drafter_mismatches"] == 1
-    assert "| vs other drafter |" in markdown({"overall": summary}).splitlines()[0]
+    assert summary["against_1_tokens_per_second"] == 5.0 and summary["speedup_vs_against_1"] == 4.0
+    assert summary["against_1_tau"] == pytest.approx(35 / 105) and summary["against_1_mismatches"] == 1
+    assert summary["speedup_vs_against_2"] == 0.5
+    assert summary["against_2_tau"] == pytest.approx(35 / 45) and summary["against_2_mismatches"] == 0
+    table = markdown({"overall": summary}).splitlines()
+    assert "| against 1 tok/s | against 2 tok/s | vs plain | vs lookup | vs against 1 | vs against 2 |" in table[0]
+    assert table[0].endswith("| against 1 tau | against 1 mismatches | against 2 tau | against 2 mismatches |")
+    assert table[2].endswith("| 4.00x | 0.50x | 11 / 7 | 1 | 0.33 | 1 | 0.78 | 0 |")
