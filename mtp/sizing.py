@@ -48,7 +48,7 @@ BATCH_SIZES = (2, 4, 8, 16)  # prompts decoded at once that get a tree and looku
 BATCH_MAX_NODES = 16  # the largest tree sized for a batch
 LOOKUP_LENGTHS = tuple(range(FULL + 1))  # prompt-lookup tokens after a match that sizing chooses from
 DYNAMIC_DEPTHS, DYNAMIC_TOP_K = (2, 3, 4, 5), (2, 3, 4)  # the dynamic trees sizing simulates
-DYNAMIC_ANSWERS = 24  # held-out answers they are simulated on (every root drafts a tree), beside static trees
+DYNAMIC_ANSWERS = 24  # distinct held-out answers they are simulated on (every root drafts a tree), beside static trees
 
 
 def timed_sizes(paths: list[Path], batch: int) -> list[int]:
@@ -300,7 +300,7 @@ def expected_speedups(heads_path: str, device: str = "cpu", dtype: torch.dtype =
     table["chosen_lookup"] = best["lengths"] if any(best["lengths"]) else []
     table["roots"] = {"count": len(roots["match"]), "matched": [float((roots["match"] == n).float().mean())
                       for n in range(1, MAX_NGRAM + 1)]}  # fmt: skip
-    table["dynamic"] = dynamic_trees(model, tokenizer, heads, paths, held_out[:DYNAMIC_ANSWERS], costs, context)
+    table["dynamic"] = dynamic_trees(model, tokenizer, heads, paths, spread(held_out, DYNAMIC_ANSWERS), costs, context)
     best_dynamic = max(table["dynamic"], key=lambda row: row["speedup"])  # against the best static tree there
     if best_dynamic["speedup"] > max(row["static_speedup"] for row in table["dynamic"]):
         table["chosen_dynamic"], table["chosen_lookup"] = best_dynamic["plan"], best_dynamic["lengths"]
@@ -313,6 +313,15 @@ def expected_speedups(heads_path: str, device: str = "cpu", dtype: torch.dtype =
                           "tau": tokens / steps, "speedup": tokens * batch_costs[0] / seconds})  # fmt: skip
         table["batches"].append(max(found, key=lambda row: row["speedup"]))
     return table
+
+
+def spread(examples: list, count: int) -> list:
+    """`count` of `examples` ((ids, mask, ...)) evenly spaced over those with distinct answers: held-out sets repeat
+    short answers (the distilled ones begin with 24 greetings to "hello" and the like), which would fill a sample
+    of their first few and say nothing of longer answers."""
+    distinct = list({tuple(example[0][example[1].bool()].tolist()): example for example in examples}.values())
+    step = max(len(distinct) / count, 1.0)
+    return [distinct[int(i * step)] for i in range(min(count, len(distinct)))]
 
 
 def dynamic_trees(model, tokenizer, heads: Drafter, paths: list[Path], examples: list, costs: list[float],
@@ -403,8 +412,8 @@ def main() -> None:
         for row in table["batches"]:
             print(f"  {row['rows']} prompts at once: the {row['size']}-node tree, lookup {row['lengths'] or 'off'}, "
                   f"held-out tau {row['tau']:.2f}, {row['speedup']:.2f}x plain decoding of {row['rows']}")  # fmt: skip
-        print(f"Dynamic trees on the first {DYNAMIC_ANSWERS} held-out answers, against the static tree of as many "
-              "nodes there (tau alone / with lookup, speedup with lookup):")  # fmt: skip
+        print(f"Dynamic trees on {DYNAMIC_ANSWERS} distinct held-out answers spread over them, against the static "
+              "tree of as many nodes there (tau alone / with lookup, speedup with lookup):")  # fmt: skip
         for row in table["dynamic"]:
             print(f"  {row['size']:4d}  {row['plan']:>15}  tau {row['tau']:.2f} / {row['lookup_tau']:.2f}, "
                   f"{row['speedup']:.2f}x; static tau {row['static_tau']:.2f} / {row['static_lookup_tau']:.2f}, "

@@ -10,7 +10,16 @@ from mtp.decoding import Decoder
 from mtp.drafters import DRAFTERS
 from mtp.heads import MedusaHeads
 from mtp.lookup import FULL, Lookup
-from mtp.sizing import BATCH_SIZES, SIZES, grown_accepts, held_out_roots, simulate, size_tree, step_costs
+from mtp.sizing import (
+    BATCH_SIZES,
+    SIZES,
+    grown_accepts,
+    held_out_roots,
+    simulate,
+    size_tree,
+    spread,
+    step_costs,
+)
 from mtp.tree import DynamicTree, Tree, grow_tree, named_tree
 from tests.conftest import TINY_BASE
 from tests.test_decoding import PROMPT, random_heads, reference, tiny_model
@@ -154,6 +163,19 @@ def test_sizing_with_held_out_answers_simulates_each_size_and_saves_the_best_tre
     decoder = mtp.load(path)
     assert decoder.tree == DynamicTree(4, 2, 2) and decoder.lookup.lengths == (1,)
     assert mtp.load(path, tree="chain").tree.size == 4  # the caller's tree still comes first
+
+
+def test_dynamic_trees_are_simulated_on_distinct_answers_spread_over_the_held_out_set():
+    """A held-out set that begins with many copies of one short answer (the distilled one begins with greetings):
+    the sample takes it once and reaches the last answers."""
+    greeting = (torch.tensor([5, 6, 7, 8]), torch.tensor([False, True, True, True]))
+    others = [(torch.tensor([5, 9, i, i + 1]), torch.tensor([False, False, True, True])) for i in range(10, 39)]
+    examples = [greeting] * 20 + others
+    sample = spread(examples, 6)
+    answers = [tuple(ids[mask].tolist()) for ids, mask in sample]
+    assert len(sample) == 6 and len(set(answers)) == 6
+    assert answers[0] == (6, 7, 8) and answers[1:] == [(i, i + 1) for i in (14, 19, 24, 29, 34)]
+    assert len(spread(examples[:23], 6)) == 4  # fewer distinct answers than asked: all of them
 
 
 @pytest.mark.parametrize("head_type", DRAFTERS)
