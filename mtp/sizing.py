@@ -300,7 +300,7 @@ def expected_speedups(heads_path: str, device: str = "cpu", dtype: torch.dtype =
     table["chosen_lookup"] = best["lengths"] if any(best["lengths"]) else []
     table["roots"] = {"count": len(roots["match"]), "matched": [float((roots["match"] == n).float().mean())
                       for n in range(1, MAX_NGRAM + 1)]}  # fmt: skip
-    table["dynamic"] = dynamic_trees(model, tokenizer, heads, paths, spread(held_out, DYNAMIC_ANSWERS), costs, context)
+    table["dynamic"] = dynamic_trees(model, tokenizer, heads, paths, held_out, costs, context)
     best_dynamic = max(table["dynamic"], key=lambda row: row["speedup"])  # against the best static tree there
     if best_dynamic["speedup"] > max(row["static_speedup"] for row in table["dynamic"]):
         table["chosen_dynamic"], table["chosen_lookup"] = best_dynamic["plan"], best_dynamic["lengths"]
@@ -327,9 +327,10 @@ def spread(examples: list, count: int) -> list:
 def dynamic_trees(model, tokenizer, heads: Drafter, paths: list[Path], examples: list, costs: list[float],
                   context: int) -> list[dict]:  # fmt: skip
     """Per timed size n > 1: the dynamic tree of n nodes (of DYNAMIC_DEPTHS x DYNAMIC_TOP_K) with the most tokens
-    per second on `examples`, with and without the best lookup, beside the static n-node tree on the same
-    answers. A dynamic step costs the static one's step (`costs`) with the static tree's drafting time replaced by
-    its own (both timed)."""
+    per second on DYNAMIC_ANSWERS of `examples` (`spread`), with and without the best lookup, beside the static
+    n-node tree on the same answers. A dynamic step costs the static one's step (`costs`) with the static tree's
+    drafting time replaced by its own (both timed)."""
+    examples = spread(examples, DYNAMIC_ANSWERS)
     roots = held_out_roots(model, heads, paths, examples, Lookup((max(LOOKUP_LENGTHS),) * MAX_NGRAM))
     sizes = [size for size in timed_sizes(paths, 1) if size > 1]
     static = [Tree.from_paths(paths[: size - 1]) for size in timed_sizes(paths, 1)]

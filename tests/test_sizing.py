@@ -130,7 +130,6 @@ def test_sizing_with_held_out_answers_simulates_each_size_and_saves_the_best_tre
     monkeypatch.setattr(mtp.sizing, "held_out_roots", lambda *args: copy)
     dynamic = [{"plan": "dynamic:4:2:2", "speedup": 1.5, "static_speedup": 1.6, "lengths": [1]}]  # static wins
     monkeypatch.setattr(mtp.sizing, "dynamic_trees", lambda *args: dynamic)
-    monkeypatch.setattr(mtp.sizing, "spread", lambda examples, count: examples)  # the stub answers are no examples
     path, _, _ = save_random_heads(tmp_path)
     heads = MedusaHeads.from_pretrained(path)
     heads.config.calibration = CALIBRATION + [[0.0, 0.0, 0.0]]
