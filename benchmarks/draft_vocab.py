@@ -10,9 +10,9 @@ import argparse
 import torch
 
 import mtp
+from mtp.costs import measure_steps
 from mtp.data import HeadsDataModule
 from mtp.rows import read_rows
-from mtp.sizing import measure_steps
 from mtp.tree import grow_tree
 
 

@@ -15,6 +15,7 @@ from transformers import DynamicCache
 
 from mtp.cache import append_rows, grouped_keys, keep_accepted, keep_rows, tree_attention_mask
 from mtp.drafting import Proposer
+from mtp.pacing import Pacer, Plan
 from mtp.sampling import Sampling, accept_exact, accept_typical, draw
 from mtp.target import Target
 from mtp.tree import Tree
@@ -30,6 +31,10 @@ class Row:
     """The last settled token, not cached yet: the root of the next tree."""
     max_length: int
     """The row ends at this length (prompt and new tokens): no node is placed at max_length - 1 or later."""
+    tree_skill: float = 1.0
+    lookup_skill: float = 1.0
+    """How many times the average the tree's and lookup's candidates are accepted in this row of late (see
+    `mtp.pacing`)."""
 
     @property
     def room(self) -> int:
@@ -61,11 +66,13 @@ def accept(tree: Tree, tokens: torch.Tensor, logits: torch.Tensor, sampling: Sam
 
 class Batch:
     """The rows decoded together: the target model's shared cache, the drafters' states (`proposers`, each
-    step in turn: see `mtp.drafting`) and the sampling settings (one generator for all rows: each row's tokens are
-    drawn from its own distributions, whatever the other rows draw)."""
+    step in turn: see `mtp.drafting`), what each step verifies (`pacer`: see `mtp.pacing`) and the sampling
+    settings (one generator for all rows: each row's tokens are drawn from its own distributions, whatever the
+    other rows draw)."""
 
-    def __init__(self, target: Target, proposers: list[Proposer], sampling: Sampling):
-        self.target, self.proposers, self.sampling, self.generator = target, proposers, sampling, sampling.generator()
+    def __init__(self, target: Target, proposers: list[Proposer], pacer: Pacer, sampling: Sampling):
+        self.target, self.proposers, self.pacer = target, proposers, pacer
+        self.sampling, self.generator = sampling, sampling.generator()
         self.device = target.device
         self.rows: list[Row] = []
         self.cache, self.slots = DynamicCache(), None  # slots (B, T): see mtp.cache
@@ -109,13 +116,14 @@ class Batch:
         else:
             self.cache, self.slots = DynamicCache(), None
 
-    def propose(self) -> tuple[list[Tree], list[torch.Tensor]]:
-        """Each row's tree and its tokens (N_b+1,): every drafter's candidates in turn, none past the row's room."""
+    def propose(self, plan: Plan) -> tuple[list[Tree], list[torch.Tensor]]:
+        """Each row's tree and its tokens (N_b+1,) by `plan`: every drafter's candidates in turn, none past the
+        row's room."""
         trees = [self.root] * len(self.rows)
         tokens = [torch.tensor([row.root], device=self.device) for row in self.rows]
         rooms = [row.room for row in self.rows]
         for source, proposer in enumerate(self.proposers):
-            trees, tokens = proposer.propose(trees, tokens, rooms, source)
+            trees, tokens = proposer.propose(plan, trees, tokens, rooms, source)
         return trees, tokens
 
     @torch.no_grad()
@@ -123,7 +131,8 @@ class Batch:
         """One verification pass over every row's tree: per row, the tokens it settles (the accepted candidates
         and the bonus token) and how many of its accepted candidates each drafter proposed, by name."""
         with record_function("mtp.candidates"):  # the drafters' guesses laid out on each row's tree
-            trees, tokens = self.propose()
+            plan = self.pacer.plan(self.rows)
+            trees, tokens = self.propose(plan)
             size = max(tree.size for tree in trees)  # rows with smaller trees are padded with nodes seen by none
             batch = torch.zeros(len(trees), size, dtype=torch.long, device=self.device)  # (B, Q) tokens
             depths = torch.zeros_like(batch)  # (B, Q)
@@ -155,5 +164,7 @@ class Batch:
         for row, tree, row_nodes, row_settled in zip(self.rows, trees, nodes, settled, strict=True):
             row.prefix_len, row.root = row.prefix_len + len(row_nodes), row_settled[-1]
             sources = tree.sources[row_nodes[1:]].tolist()
+            grafted = sum(sources.count(i) for i, p in enumerate(self.proposers) if p.grafts)
+            self.pacer.update(row, plan, len(sources) - grafted, grafted)
             results.append((row_settled, {p.name: sources.count(i) for i, p in enumerate(self.proposers)}))
         return results

@@ -17,6 +17,7 @@ one at a time (see `bench_batches`).
 
 import argparse
 import json
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -27,6 +28,7 @@ from tqdm import tqdm
 
 import mtp
 from mtp.cli import user_errors
+from mtp.costs import describe
 from mtp.decoding import Decoder
 from mtp.linears import narrow_counts, usual_linears
 from mtp.lookup import add_lookup_arguments, lookup_from
@@ -116,6 +118,9 @@ def markdown(summary: dict[str, dict]) -> str:
             mismatches = s[f"{drafter}_mismatches"]
             figures += [f"{s[f'{drafter}_tau']:.2f}", "n/a (sampling)" if mismatches is None else mismatches]
         lines.append(f"| {name} | " + " | ".join(str(figure) for figure in figures) + " |")
+    slower = [name for name, s in summary.items() if s["speedup_vs_fastest_plain"] < 1]
+    if slower:
+        lines.append(f"\nSlower than the fastest plain decoder here: {', '.join(slower)}.")
     return "\n".join(lines)
 
 
@@ -237,7 +242,10 @@ def main() -> None:
     timed_generate(model, [decoder.encode(warm_up).to(args.device)], 8, sampling)
     with usual_linears(model):
         timed_generate(model, [decoder.encode(warm_up).to(args.device)], 8, sampling)
-    settings = {k: v for k, v in vars(args).items() if k != "out"} | {"tree_size": decoder.tree.size,
+    paced = len(decoder.pacer.plans[1]) > 1
+    plan = ("paced per prompt, from " if paced else "") + describe(decoder.pacer.best(1))
+    print(f"mtp decodes with {plan}", file=sys.stderr)
+    settings = {k: v for k, v in vars(args).items() if k != "out"} | {"plan": plan,
                 "threads": torch.get_num_threads(), "device_name": device_name(args.device),
                 "plain_fast": plain_fast}  # fmt: skip
     out = Path(args.out)

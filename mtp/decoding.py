@@ -12,6 +12,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from mtp.batch import Batch
 from mtp.folder import Drafter
 from mtp.lookup import Lookup, LookupProposer
+from mtp.pacing import Pacer, Plan
 from mtp.sampling import GREEDY, Sampling
 from mtp.target import Target
 from mtp.tree import DynamicTree, Tree
@@ -59,9 +60,8 @@ class Decoder:
     token for token to the base model's, or sampling with the base model's distribution (see `mtp.sampling`).
 
     With `lookup`, prompt lookup's candidates join the tree each step (see `mtp.lookup`). Without heads or
-    lookup, every step verifies the root alone: plain one-token decoding through the same loop. `batch_trees`
-    gives steps over B or more prompts at once their own tree and lookup (a batch pays for every extra node
-    B times; `mtp.sizing` chooses them), the largest B that the step's rows reach deciding.
+    lookup, every step verifies the root alone: plain one-token decoding through the same loop. A `pacer` instead
+    chooses each step's tree and lookup by expected speed (see `mtp.pacing`; `mtp.load` fits one to the machine).
     """
 
     def __init__(
@@ -71,32 +71,28 @@ class Decoder:
         heads: Drafter | None = None,
         tree: Tree | DynamicTree | None = None,
         lookup: Lookup | None = None,
-        batch_trees: dict[int, tuple[Tree | DynamicTree, Lookup | None]] | None = None,
+        pacer: Pacer | None = None,
     ):
         self.target = Target(base_model)
         self.base_model, self.tokenizer, self.heads = base_model, tokenizer, heads
-        if any(rows < 2 for rows in batch_trees or {}):
-            raise ValueError(f"batch_trees for {sorted(batch_trees)} rows: give batch sizes of 2 or more.")
-        self.plans = {}  # rows -> (tree, lookup or None) of a step over at least that many rows
-        for rows, (plan_tree, plan_lookup) in ({1: (tree, lookup)} | (batch_trees or {})).items():
-            plan_tree = plan_tree if heads is not None and plan_tree is not None else Tree.from_paths([])
-            if plan_tree.size > 1 and heads.max_depth is not None and plan_tree.depth > heads.max_depth:
-                raise ValueError(f"The tree is {plan_tree.depth} levels deep, but there are only {heads.max_depth} "
+        if pacer is None:
+            tree = tree if heads is not None and tree is not None else Tree.from_paths([])
+            if tree.size > 1 and heads.max_depth is not None and tree.depth > heads.max_depth:
+                raise ValueError(f"The tree is {tree.depth} levels deep, but there are only {heads.max_depth} "
                                  f"heads: give a tree at most {heads.max_depth} deep.")  # fmt: skip
-            self.plans[rows] = plan_tree, plan_lookup if plan_lookup is not None and plan_lookup.reach else None
-        self.tree, self.lookup = self.plans[1]
+            pacer = Pacer.fixed(Plan(tree, lookup if lookup is not None and lookup.reach else None))
+        self.pacer = pacer
+        plan = pacer.best(1)  # what a step over one prompt verifies at first
+        self.tree, self.lookup = plan.tree, plan.lookup
         self.eos_ids, self.context = self.target.eos_ids, self.target.context
         self._trees = {}  # each plan's tree cut at each depth, on the model's device, for every batch
 
     def batch(self, sampling: Sampling = GREEDY) -> Batch:
         """An empty batch of rows to decode with this decoder's drafters (see `mtp.batch`)."""
-        proposers = []
-        if self.heads is not None:
-            trees = {rows: tree for rows, (tree, _) in self.plans.items()}
-            proposers.append(self.heads.proposer(self.target, trees, self._trees))
-        if any(lookup for _, lookup in self.plans.values()):
-            proposers.append(LookupProposer({rows: lookup for rows, (_, lookup) in self.plans.items()}))
-        return Batch(self.target, proposers, sampling)
+        proposers = [self.heads.proposer(self.target, self._trees)] if self.heads is not None else []
+        if any(plan.lookup for options in self.pacer.plans.values() for plan, _ in options):
+            proposers.append(LookupProposer())
+        return Batch(self.target, proposers, self.pacer, sampling)
 
     def encode(self, prompt: str | list[dict]) -> torch.Tensor:
         """Prompt ids (1, T): chat messages go through the chat template, a string is taken as it is."""
@@ -206,6 +202,7 @@ class Decoder:
                 raise ValueError(f"Prompt {i + 1} of {len(prompts)}: {error}" if len(prompts) > 1 else error) from None
         if max_new_tokens == 0:
             return
+        self.pacer.prepare(min(batch_size, len(prompts)))
         stop = [s for s in stop if s]
         batch, answers, waiting = self.batch(sampling), [], list(range(len(prompts)))[::-1]
         while waiting or answers:

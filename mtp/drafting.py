@@ -8,12 +8,16 @@ it there (`Tree.sources`).
 """
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from mtp.target import States, Target
 from mtp.tree import DynamicTree, Tree
+
+if TYPE_CHECKING:  # for annotations only: the plans of mtp.pacing name prompt lookup, a proposer itself
+    from mtp.pacing import Plan
 
 
 class Proposer:
@@ -22,14 +26,16 @@ class Proposer:
     name = "drafter"
     layers: list[int] = []
     """The base model's hidden states (transformers' `hidden_states` indices) it reads; []: the last ones only."""
+    grafts = False
+    """It hangs its candidates on a tree that another laid out (prompt lookup) rather than laying out one."""
 
     def add(self, input_ids: torch.Tensor, states: States, root: int) -> None:
         """A row joins as the last: its prompt input_ids (T,), the prefill's states (of one row, T queries) and
         the first new token, `root`."""
 
-    def propose(self, trees: list[Tree], tokens: list[torch.Tensor], rooms: list[int], source: int):
-        """Each row's tree and its tokens (N_b+1,) so far -> with this drafter's candidates, its new nodes marked
-        `source`; no node deeper than the row's room."""
+    def propose(self, plan: "Plan", trees: list[Tree], tokens: list[torch.Tensor], rooms: list[int], source: int):
+        """Each row's tree and its tokens (N_b+1,) so far -> with this drafter's candidates as the step's `plan`
+        says, its new nodes marked `source`; no node deeper than the row's room."""
         raise NotImplementedError
 
     def accept(self, states: States, nodes: list[torch.Tensor], settled: list[list[int]]) -> None:
@@ -66,34 +72,25 @@ class Draft:
 
 
 class TreeProposer(Proposer):
-    """A drafter that lays out each step's tree from the root, level by level (`expand`): a static tree (`plans`:
-    the tree for steps over at least B rows, by B), cut to the room of the row with the least (`cut`: those trees
-    by (B, depth), kept by the caller across batches: cutting one costs more than a small step), or a
-    `DynamicTree`, grown every step from the drafter's draft probabilities, a tree of its own per row."""
+    """A drafter that lays out each step's tree from the root, level by level (`expand`): the plan's static tree,
+    cut to the room of the row with the least (`cut`: trees by (id of the plan's tree, depth), kept by the caller
+    across batches: cutting one costs more than a small step), or a `DynamicTree`, grown every step from the
+    drafter's draft probabilities, a tree of its own per row."""
 
-    def __init__(self, target: Target, plans: dict[int, Tree | DynamicTree], cut: dict):
-        self.target, self.plans, self._trees = target, plans, cut
+    def __init__(self, target: Target, cut: dict):
+        self.target, self._trees = target, cut
 
-    def plan(self, rows: int) -> Tree | DynamicTree:
-        return self.plans[self._batch(rows)]
+    def tree(self, plan: Tree, depth: int) -> Tree:
+        depth = min(depth, plan.depth)
+        if (id(plan), depth) not in self._trees:  # the plan's tree cut at each depth, on the model's device
+            self._trees[id(plan), depth] = plan.within(depth).to(self.target.device)
+        return self._trees[id(plan), depth]
 
-    def _batch(self, rows: int) -> int:
-        """The plan's key for a step over `rows` rows: the largest batch size it reaches."""
-        return max(b for b in self.plans if b <= rows)
-
-    def tree(self, rows: int, depth: int) -> Tree:
-        batch = self._batch(rows)
-        depth = min(depth, self.plans[batch].depth)
-        if (batch, depth) not in self._trees:  # each plan's tree cut at each depth, on the model's device
-            self._trees[batch, depth] = self.plans[batch].within(depth).to(self.target.device)
-        return self._trees[batch, depth]
-
-    def propose(self, trees, tokens, rooms, source):
+    def propose(self, plan, trees, tokens, rooms, source):
         roots = torch.stack([row[:1] for row in tokens])  # (B, 1)
-        plan = self.plan(len(tokens))
-        if isinstance(plan, DynamicTree):
-            return self.grow(plan, roots, min(plan.depth, min(rooms)))
-        tree = self.tree(len(tokens), min(rooms))
+        if isinstance(plan.tree, DynamicTree):
+            return self.grow(plan.tree, roots, min(plan.tree.depth, min(rooms)))
+        tree = self.tree(plan.tree, min(rooms))
         filled = self.tokens(tree, roots) if tree.size > 1 else roots  # (B, N+1)
         return [tree] * len(tokens), list(filled)
 

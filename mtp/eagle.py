@@ -28,7 +28,6 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 from mtp.drafting import TreeProposer
 from mtp.folder import Drafter, HeadsConfig
 from mtp.target import Target
-from mtp.tree import DynamicTree, Tree
 
 # the base's rotary settings the drafter's layer takes: its type, theta and scaling (not a partial rotary factor:
 # the drafter rotates whole heads)
@@ -224,9 +223,9 @@ class Eagle(Drafter):
 
     max_depth = None  # it drafts as deep as a tree asks
 
-    def proposer(self, target: Target, plans: dict[int, Tree | DynamicTree], cut: dict) -> "EagleProposer":
-        """This drafter over the rows of a batch (see `mtp.drafting`), on the trees of `plans`."""
-        return EagleProposer(self, target, plans, cut)
+    def proposer(self, target: Target, cut: dict) -> "EagleProposer":
+        """This drafter over the rows of a batch (see `mtp.drafting`), on the trees of each step's plan."""
+        return EagleProposer(self, target, cut)
 
     @property
     def draft_ids(self) -> torch.Tensor:
@@ -311,8 +310,8 @@ class EagleProposer(TreeProposer):
 
     name = "eagle"
 
-    def __init__(self, eagle: Eagle, target: Target, plans: dict[int, Tree | DynamicTree], cut: dict):
-        super().__init__(target, plans, cut)
+    def __init__(self, eagle: Eagle, target: Target, cut: dict):
+        super().__init__(target, cut)
         self.eagle, self.layers = eagle, eagle.config.feature_layers
         self.keys = self.values = self.seen = None  # (B, G, S, d) rotated keys, values; (B, S) bool
         self.state = []  # per row, (H,) the output of its root's entry: it scores the root's children

@@ -52,12 +52,11 @@ class HeadsConfig:
     """Prompt-lookup tokens verified beside the tree after a match of 1, 2, ... tokens (`mtp.lookup.Lookup`'s
     lengths), chosen with the tree by `mtp.sizing`; empty: none."""
     dynamic_tree: str | None = None
-    """A `DynamicTree` (`dynamic:NODES:DEPTH:TOP_K`) that `mtp.sizing` chose over the static `tree` for single
-    prompts; None: the static tree."""
-    batch_trees: list[dict] = field(default_factory=list)
-    """Trees and lookups for steps over several prompts at once, chosen by `mtp.sizing`: each {"rows": B, "tree":
-    paths, "lookup": lengths} holds for steps over B or more rows (up to the next entry's B); empty: `tree` and
-    `lookup` for every step."""
+    """A `DynamicTree` (`dynamic:NODES:DEPTH:TOP_K`) that decoding always takes, as if given to `mtp.load`."""
+    acceptance: list[dict] = field(default_factory=list)
+    """What each candidate tree and lookup accepts per step on held-out answers (`mtp.pacing.Candidate`, written
+    by `mtp.sizing`): `mtp.load` chooses among them by the step costs of the machine it runs on. Empty: among
+    the trees grown from `calibration`, without lookup."""
     adapter: bool = False
     """The folder also holds a LoRA adapter of the base model trained with the heads (peft's `adapter_config.json`
     and `adapter_model.safetensors`): decoding merges it into the base, and the output is the adapted model's."""
@@ -215,6 +214,7 @@ class Drafter(nn.Module):
             raise FileNotFoundError(
                 f"{folder / 'model.safetensors'} does not exist: point at a folder written by save_pretrained."
             )
+        raw.pop("batch_trees", None)  # what sizing chose per batch size on its own machine: now chosen at load
         unknown = set(raw) - {field.name for field in fields(HeadsConfig)}
         if unknown:
             raise ValueError(f"{folder / 'config.json'} has unknown keys {sorted(unknown)}: not a heads folder?")

@@ -12,7 +12,6 @@ from mtp.drafting import TreeProposer
 from mtp.folder import Drafter, HeadsConfig
 from mtp.loss import following_tokens
 from mtp.target import Target
-from mtp.tree import DynamicTree, Tree
 
 
 class ResidualBlock(nn.Module):
@@ -63,9 +62,9 @@ class Heads(Drafter):
         """The deepest node a tree of these heads may hold: head d - 1 guesses depth d."""
         return self.config.num_heads
 
-    def proposer(self, target: Target, plans: dict[int, Tree | DynamicTree], cut: dict) -> "HeadsProposer":
-        """These heads drafting over the rows of a batch (see `mtp.drafting`), on the trees of `plans`."""
-        return HeadsProposer(self, target, plans, cut)
+    def proposer(self, target: Target, cut: dict) -> "HeadsProposer":
+        """These heads drafting over the rows of a batch (see `mtp.drafting`), on the trees of each step's plan."""
+        return HeadsProposer(self, target, cut)
 
     def teacher_forced(self, hidden, features, input_ids, keep, base_lm_head, embed) -> torch.Tensor:
         """Training: every head's logits (K, N, V), or (K, N, D) over the draft vocabulary, at the N positions
@@ -213,8 +212,8 @@ class HeadsProposer(TreeProposer):
 
     name = "heads"
 
-    def __init__(self, heads: Heads, target: Target, plans: dict[int, Tree], cut: dict):
-        super().__init__(target, plans, cut)
+    def __init__(self, heads: Heads, target: Target, cut: dict):
+        super().__init__(target, cut)
         self.heads, self.hidden = heads, []  # per row, (H,) the hidden state at its last cached position
 
     def add(self, input_ids, states, root):

@@ -57,18 +57,18 @@ class Lookup:
 
 class LookupProposer(Proposer):
     """Prompt lookup over the rows of a batch: each row's text so far (prompt and settled tokens), and the chain of
-    `lookups[B]` (for steps over at least B rows) grafted onto each row's tree."""
+    the step's lookup grafted onto each row's tree."""
 
-    name = "lookup"
+    name, grafts = "lookup", True
 
-    def __init__(self, lookups: dict[int, Lookup | None]):
-        self.lookups, self.sequences = lookups, []  # per row, (T,) the prompt and every settled token
+    def __init__(self):
+        self.sequences = []  # per row, (T,) the prompt and every settled token
 
     def add(self, input_ids, states, root):
         self.sequences.append(torch.cat([input_ids.cpu(), torch.tensor([root])]))
 
-    def propose(self, trees, tokens, rooms, source):
-        lookup = self.lookups[max(b for b in self.lookups if b <= len(trees))]
+    def propose(self, plan, trees, tokens, rooms, source):
+        lookup = plan.lookup
         if lookup is None:
             return trees, tokens
         chains = [lookup.propose(sequence)[:room] for sequence, room in zip(self.sequences, rooms, strict=True)]

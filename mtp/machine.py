@@ -29,10 +29,11 @@ def device_name(device: str | torch.device) -> str:
     return f"{names[0] if names else platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
 
 
-def measured(file: str, key: str, measure: Callable[[], Any], again: bool = False) -> Any:
+def measured(file: str, key: str, measure: Callable[[], Any], again: bool = False,
+             fresh: Callable[[Any], None] | None = None) -> Any:  # fmt: skip
     """`measure()` as cached under `key` in `cache_dir() / file` (a JSON object), measured and stored first if it
-    is not there yet, or if `again`. Processes measuring at once each add their own key (the last one's value
-    stays for a key they share)."""
+    is not there yet, or if `again` (then passed to `fresh` too). Processes measuring at once each add their own
+    key (the last one's value stays for a key they share)."""
     store = cache_dir() / file
     cached = json.loads(store.read_text()) if store.is_file() else {}
     if again or key not in cached:
@@ -43,4 +44,6 @@ def measured(file: str, key: str, measure: Callable[[], Any], again: bool = Fals
         with tempfile.NamedTemporaryFile("w", dir=store.parent, suffix=".tmp", delete=False) as staging:
             json.dump(cached, staging, indent=1)
         os.replace(staging.name, store)  # written aside, then renamed: never half a file
+        if fresh is not None:
+            fresh(value)
     return cached[key]

@@ -1,6 +1,8 @@
-"""Size the decoding tree to the hardware: grow it from the heads' calibrated rank accuracies, time a decoding
-step for each tree size on this device, keep the size with the highest expected speedup, save it with the heads.
-With held-out answers (--data), prompt lookup's lengths are chosen with it.
+"""Measure what a drafter's trees accept, and size the tree to this machine: grow it from the heads' calibrated
+rank accuracies, time a decoding step for each tree size on this device, keep the size with the highest expected
+speedup, save it with the heads. With held-out answers (--data), prompt lookup's lengths are chosen with it, and
+what every candidate tree and lookup accepts per step is saved too (`HeadsConfig.acceptance`): `mtp.load` chooses
+among those on the machine it runs on, by that machine's step costs (`mtp.pacing`).
 
     python -m mtp.sizing --heads HEADS [--data TRAINING_DATA [--val-data ANSWERS]] [--device cpu] [--max-nodes 64]
         [--remeasure]
@@ -19,92 +21,30 @@ simulated instead, step by step: at each root, the heads' tree accepts the true 
 plus the bonus token, and it costs step(N + lookup's tokens that are new nodes). Heads and lookup are measured
 together on the same answers, so their overlap is counted once. For every tree size, the lookup lengths (tokens
 after a match of 1, 2, 3 tokens) with the most tokens per second are searched, and the best pair is saved.
-The same is done for steps over 2, 4, 8 and 16 prompts at once (`mtp.batch`), with step times of that many rows
-and every row's tree padded to the largest of the batch: each extra node costs a batch step more than a single
-prompt's, so a batch's best tree is smaller; the pairs are saved as the heads' `batch_trees`.
 """
 
 import argparse
-import time
-from contextlib import nullcontext
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from mtp.base import load_base
 from mtp.cli import user_errors
+from mtp.costs import SIZES, machine_key, measure_steps, step_costs, timed, timed_sizes
 from mtp.data import add_held_out_arguments, held_out
 from mtp.decoding import Decoder
 from mtp.folder import Drafter
-from mtp.linears import usual_linears
 from mtp.lookup import FULL, MAX_NGRAM, Lookup
-from mtp.machine import device_name, measured
+from mtp.machine import measured
+from mtp.pacing import Candidate, Plan
 from mtp.sampling import GREEDY
 from mtp.target import States, Target
 from mtp.tree import DynamicTree, Path, Tree, grow_tree
 
-SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # tree sizes (root included) timed on the device
-BATCH_SIZES = (2, 4, 8, 16)  # prompts decoded at once that get a tree and lookup of their own
-BATCH_MAX_NODES = 16  # the largest tree sized for a batch
 LOOKUP_LENGTHS = tuple(range(FULL + 1))  # prompt-lookup tokens after a match that sizing chooses from
 DYNAMIC_DEPTHS, DYNAMIC_TOP_K = (2, 3, 4, 5), (2, 3, 4)  # the dynamic trees sizing simulates
 DYNAMIC_ANSWERS = 24  # distinct held-out answers they are simulated on (every root drafts a tree), beside static trees
-
-
-def timed_sizes(paths: list[Path], batch: int) -> list[int]:
-    """The sizes in SIZES that `paths` can fill, up to BATCH_MAX_NODES when batch > 1 (a batch's best trees are
-    smaller)."""
-    return [s for s in SIZES if s <= len(paths) + 1 and (batch == 1 or s <= BATCH_MAX_NODES)]
-
-
-def timed(call, device: torch.device) -> float:
-    """Seconds that `call()` takes on `device` (waiting for a GPU to finish)."""
-    start = time.perf_counter()
-    call()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
-def measure_steps(model, tokenizer, heads: Drafter, paths: list[Path], context: int, steps: int = 4,
-                  rounds: int = 3, batch: int = 1) -> list[float]:  # fmt: skip
-    """Seconds per decoding step of `batch` rows for each of `timed_sizes`, after prompts of `context` random
-    tokens. Size 1 is the fastest plain decoding step: without heads, with the products mtp chose (`mtp.linears`)
-    or with the usual ones, whichever ran faster. Sizes are timed in turn, `rounds` times over (so that a slow
-    spell of the machine does not fall on one size), `steps` steps each after a warm-up step; the median of each
-    size's steps is its cost."""
-    prompts = torch.randint(len(tokenizer), (batch, 1, context), generator=torch.Generator().manual_seed(0))
-    sizes = timed_sizes(paths, batch)
-    times = {(size, usual): [] for size in sizes for usual in ([False, True] if size == 1 else [False])}
-    for _ in range(rounds):
-        for size, usual in times:
-            decoder = Decoder(model, tokenizer, heads if size > 1 else None, Tree.from_paths(paths[: size - 1]))
-            with usual_linears(model) if usual else nullcontext():
-                rows = decoder.batch(GREEDY)
-                for prompt in prompts:
-                    rows.add(prompt)
-                rows.step()  # warm-up
-                for _ in range(steps):
-                    times[size, usual].append(timed(rows.step, model.device))
-    median = {way: sorted(spent)[len(spent) // 2] for way, spent in times.items()}
-    return [min(median[1, False], median[1, True])] + [median[size, False] for size in sizes[1:]]
-
-
-def step_costs(timed: list[float], max_nodes: int) -> list[float]:
-    """Seconds per step for every size 1..max_nodes: linear between the timed sizes, and past the last one along
-    the last two's line; never decreasing (a bigger tree never costs less; a dip is timing noise)."""
-    sizes = SIZES[: len(timed)]
-    costs = []
-    for n in range(1, max_nodes + 1):
-        i = max(j for j, s in enumerate(sizes) if s <= n)
-        j = min(i, len(sizes) - 2)  # past the last timed size: the line through the last two
-        if j < 0:
-            costs.append(timed[0])
-        else:
-            frac = (n - sizes[j]) / (sizes[j + 1] - sizes[j])
-            costs.append(timed[j] + frac * (timed[j + 1] - timed[j]))
-        costs[-1] = max(costs[-1], costs[-2] if len(costs) > 1 else 0.0)
-    return costs
 
 
 def answer_roots(mask: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -163,7 +103,7 @@ def grown_accepts(model, heads: Drafter, examples: list, plan: DynamicTree, chun
     drafter accepts, the answer's own next tokens being the truth, with 1 .. plan.nodes nodes: (R, plan.nodes)
     (a grown tree of n nodes is the n most probable of the draft: see `DynamicTree`)."""
     target, layers = Target(model), heads.config.feature_layers
-    proposer = heads.proposer(target, {1: plan}, {})
+    proposer, step = heads.proposer(target, {}), Plan(plan)
     found = []
     for ids, mask, *_ in examples:
         left, roots = answer_roots(mask)
@@ -178,7 +118,8 @@ def grown_accepts(model, heads: Drafter, examples: list, plan: DynamicTree, chun
         grown = {}
         for part in parts:
             proposer.at_roots(ids, states, part)
-            trees, tokens = proposer.propose(None, [ids[p : p + 1] for p in part], [rooms[part[0]]] * len(part), 0)
+            firsts = [ids[p : p + 1] for p in part]  # each row's root token
+            trees, tokens = proposer.propose(step, None, firsts, [rooms[part[0]]] * len(part), 0)
             proposer.keep([False] * len(part))
             grown |= {p: (tree, row_tokens) for p, tree, row_tokens in zip(part, trees, tokens, strict=True)}
         for p in roots:
@@ -205,47 +146,61 @@ def measure_drafting(model, tokenizer, heads: Drafter, plans: list, context: int
         rows.step()
         spent = []
         for _ in range(steps):
-            spent.append(timed(rows.propose, model.device))
+            spent.append(timed(partial(rows.propose, Plan(plan)), model.device))
         seconds.append(sorted(spent)[len(spent) // 2])
     return seconds
 
 
-def simulate(roots: dict[str, torch.Tensor], size: int, lengths: list[int], costs: list[float], batch: int = 1,
-             heads: torch.Tensor | None = None):  # fmt: skip
-    """(tokens, steps, seconds) of decoding the answers of `roots` (see `held_out_roots`) with the tree of the
-    first size - 1 paths and lookup of `lengths` (lengths[n - 1] tokens after a match of n): a step accepts the
-    longer of the heads' right path and lookup's right tokens, plus the bonus token, which is the next step's
-    root; it costs step(size + the lookup tokens that do not repeat the heads' right path). In a batch of
-    `batch` rows (`costs`: of steps over that many rows) every row's tree is padded to the largest: a step costs
-    step(the most nodes of `batch` steps drawn from the simulated ones). `heads`: instead of the static tree's,
-    the candidates the drafter's tree accepts at each root (R,), such as a dynamic tree's (`grown_accepts`)."""
+def decode(roots: dict[str, torch.Tensor], size: int, lengths: list[int], heads: torch.Tensor | None = None):
+    """Decoding the answers of `roots` (see `held_out_roots`) with the tree of the first size - 1 paths and lookup
+    of `lengths` (lengths[n - 1] tokens after a match of n): a step accepts the longer of the heads' right path and
+    lookup's right tokens, plus the bonus token, which is the next step's root, and verifies size + the lookup
+    tokens that do not repeat the heads' right path. `heads`: instead of the static tree's, the candidates the
+    drafter's tree accepts at each root (R,), such as a dynamic tree's (`grown_accepts`). Returns the answer
+    tokens, and per step taken (S,): the candidates accepted from the tree, those from lookup past them, and the
+    nodes verified."""
     cap = torch.tensor([0, *lengths] + [0] * int(roots["match"].max()))[roots["match"]]  # no length: none
     heads = (roots["order"] < size - 1).sum(1) if heads is None else heads
     lookup = roots["right"].clamp(max=cap)
     # the next root: after the accepted tokens and the bonus one, or the next answer's first once none is left
-    advance = (torch.maximum(heads, lookup) + 1).clamp(max=roots["left"]).tolist()
+    advance = (torch.maximum(heads, lookup) + 1).clamp(max=roots["left"])
     nodes = size + roots["chain"].clamp(max=cap) - torch.minimum(heads, lookup)
-    visited, root = [], 0
-    while root < len(advance):
+    visited, root, steps = [], 0, advance.tolist()
+    while root < len(steps):
         visited.append(root)
-        root += advance[root]
-    # steps with at most n nodes, n = 1 .. len(costs); P(the most of `batch` steps is n) = F(n)^batch - F(n-1)^batch
-    at_most = torch.bincount(nodes[visited] - 1, minlength=len(costs)).cumsum(0).double()  # (C,)
-    below = torch.cat([at_most.new_zeros(1), at_most[:-1]])  # (C,) steps with at most n - 1 nodes
-    most = (at_most**batch - below**batch) / float(len(visited)) ** (batch - 1)  # (C,) steps whose most is n
-    return len(advance), len(visited), float((most * torch.tensor(costs, dtype=torch.float64)).sum())
+        root += steps[root]
+    accepted = advance[visited] - 1  # (S,) clamped at the answer's end
+    from_tree = torch.minimum(heads[visited], accepted)
+    return len(steps), from_tree, accepted - from_tree, nodes[visited]
 
 
-def best_lookup(roots: dict[str, torch.Tensor], size: int, costs: list[float], batch: int = 1, heads=None) -> tuple:
+def simulate(roots: dict[str, torch.Tensor], size: int, lengths: list[int], costs: list[float],
+             heads: torch.Tensor | None = None):  # fmt: skip
+    """(tokens, steps, seconds) of decoding the answers of `roots` as `decode` does, a step of n nodes costing
+    costs[n - 1]."""
+    tokens, _, _, nodes = decode(roots, size, lengths, heads)
+    return tokens, len(nodes), float(torch.tensor(costs, dtype=torch.float64)[nodes - 1].sum())
+
+
+def acceptance(roots: dict[str, torch.Tensor], size: int, lengths: list[int], depth: int) -> Candidate:
+    """What the `size`-node tree (`depth` deep) with lookup `lengths` accepts per step on the answers of `roots`
+    (see `decode`): the pacing candidate `mtp.load` weighs against this machine's step costs."""
+    _, from_tree, from_lookup, nodes = decode(roots, size, lengths)
+    shares = torch.bincount(nodes - size).double() / len(nodes)  # (E,) steps with size + e nodes
+    return Candidate(size, tuple(lengths) if any(lengths) else (), float(from_tree.double().mean()),
+                     float(from_lookup.double().mean()), tuple(shares.tolist()), depth)  # fmt: skip
+
+
+def best_lookup(roots: dict[str, torch.Tensor], size: int, costs: list[float], heads=None) -> tuple:
     """The lookup lengths (one per match length, each from LOOKUP_LENGTHS) with the most tokens per second beside
     the `size`-node tree, by coordinate ascent from none, and their `simulate` figures (`heads`: as there)."""
     lengths = [0] * int(roots["match"].max().clamp(min=1))
-    best = simulate(roots, size, lengths, costs, batch, heads)
+    best = simulate(roots, size, lengths, costs, heads)
     for _ in range(2):
         for n in range(len(lengths)):
             for value in LOOKUP_LENGTHS:
                 trial = lengths[:n] + [value] + lengths[n + 1 :]
-                found = simulate(roots, size, trial, costs, batch, heads)
+                found = simulate(roots, size, trial, costs, heads)
                 if found[0] / found[2] > best[0] / best[2]:
                     lengths, best = trial, found
     return lengths, best
@@ -268,19 +223,11 @@ def expected_speedups(heads_path: str, device: str = "cpu", dtype: torch.dtype =
     model, tokenizer = load_base(heads.config.base_model, device=device, dtype=dtype)
     heads.check_base(heads.config.base_model, model, tokenizer)
     model, heads = heads.adapt(model), heads.to(device=device, dtype=dtype).eval()
-    config = heads.config
-    heads_kind = f"{config.num_heads} {config.head_type} heads"
-    key = " | ".join([device_name(device), str(dtype), config.identity(), heads_kind, config.lm_head,
-                      f"context {context}"])  # fmt: skip
-
-    def measured_costs(batch: int) -> list[float]:  # seconds of a step of `batch` rows for sizes 1, 2, ...
-        sizes = timed_sizes(paths, batch)
-        name = key + f" | sizes {sizes}" + (f" | batch {batch}" if batch > 1 else "")
-        steps = measured("step_seconds.json", name, lambda: measure_steps(model, tokenizer, heads, paths, context,
-                         batch=batch), again=remeasure)  # fmt: skip
-        return step_costs(steps, len(expected) + max(LOOKUP_LENGTHS))
-
-    costs = measured_costs(1)
+    key = machine_key(model, heads, context)
+    name = f"{key} | sizes {timed_sizes(paths, 1)}"
+    timed_costs = measured("step_seconds.json", name, lambda: measure_steps(model, tokenizer, heads, paths, context),
+                           again=remeasure)  # fmt: skip
+    costs = step_costs(timed_costs, len(expected) + max(LOOKUP_LENGTHS))
     speedups = [tau * costs[0] / cost for tau, cost in zip(expected, costs, strict=False)]
     table = {"size": list(range(1, len(expected) + 1)), "expected_tau": expected,
              "step_seconds": costs[: len(expected)], "expected_speedup": speedups,
@@ -300,18 +247,13 @@ def expected_speedups(heads_path: str, device: str = "cpu", dtype: torch.dtype =
     table["chosen_lookup"] = best["lengths"] if any(best["lengths"]) else []
     table["roots"] = {"count": len(roots["match"]), "matched": [float((roots["match"] == n).float().mean())
                       for n in range(1, MAX_NGRAM + 1)]}  # fmt: skip
+    table["acceptance"] = []  # the candidates mtp.load weighs on the machine it runs on: per timed size, no
+    for size in timed_sizes(paths, 1):  # lookup, the lookup that paid most here, and the longest
+        depth = max(map(len, paths[: size - 1]), default=0)
+        settings = {(), tuple(table["lookup"][size - 1]["lengths"]), (FULL,) * MAX_NGRAM}
+        for lengths in sorted(settings):
+            table["acceptance"].append(acceptance(roots, size, list(lengths), depth))
     table["dynamic"] = dynamic_trees(model, tokenizer, heads, paths, held_out, costs, context)
-    best_dynamic = max(table["dynamic"], key=lambda row: row["speedup"])  # against the best static tree there
-    if best_dynamic["speedup"] > max(row["static_speedup"] for row in table["dynamic"]):
-        table["chosen_dynamic"], table["chosen_lookup"] = best_dynamic["plan"], best_dynamic["lengths"]
-    table["batches"] = []  # per batch size: the best tree size and lookup, against plain decoding of that batch
-    for batch in BATCH_SIZES:
-        batch_costs, found = measured_costs(batch), []
-        for size in table["size"][:BATCH_MAX_NODES]:
-            lengths, (tokens, steps, seconds) = best_lookup(roots, size, batch_costs, batch)
-            found.append({"rows": batch, "size": size, "lengths": lengths if any(lengths) else [],
-                          "tau": tokens / steps, "speedup": tokens * batch_costs[0] / seconds})  # fmt: skip
-        table["batches"].append(max(found, key=lambda row: row["speedup"]))
     return table
 
 
@@ -360,17 +302,15 @@ def dynamic_trees(model, tokenizer, heads: Drafter, paths: list[Path], examples:
 
 
 def size_tree(heads_path: str, **options) -> dict:
-    """Save the tree with the highest expected speedup on this device into the heads' config (options: those
-    of `expected_speedups`); returns the table it was chosen from."""
+    """Save the tree and lookup with the highest expected speedup on this device into the heads' config, and with
+    held-out answers what every candidate accepts (`HeadsConfig.acceptance`: `mtp.load` chooses among them by the
+    step costs of the machine it runs on); options: those of `expected_speedups`. Returns the table."""
     table = expected_speedups(heads_path, **options)
     heads = Drafter.from_pretrained(heads_path)
     heads.config.tree = [list(path) for path in table["paths"][: table["chosen"] - 1]]
     heads.config.lookup = table["chosen_lookup"]
-    heads.config.dynamic_tree = table.get("chosen_dynamic")
-    heads.config.batch_trees = []
-    for row in table.get("batches", []):
-        paths = [list(path) for path in table["paths"][: row["size"] - 1]]
-        heads.config.batch_trees.append({"rows": row["rows"], "tree": paths, "lookup": row["lengths"]})
+    heads.config.dynamic_tree = None
+    heads.config.acceptance = [candidate.as_dict() for candidate in table.get("acceptance", [])]
     heads.save_config(heads_path)
     return table
 
@@ -410,9 +350,6 @@ def main() -> None:
         roots = table["roots"]
         shares = ", ".join(f"{n} tokens {share:.1%}" for n, share in enumerate(roots["matched"], 1))
         print(f"{roots['count']} held-out answer tokens as roots; lookup's longest match: {shares}")
-        for row in table["batches"]:
-            print(f"  {row['rows']} prompts at once: the {row['size']}-node tree, lookup {row['lengths'] or 'off'}, "
-                  f"held-out tau {row['tau']:.2f}, {row['speedup']:.2f}x plain decoding of {row['rows']}")  # fmt: skip
         print(f"Dynamic trees on {DYNAMIC_ANSWERS} distinct held-out answers spread over them, against the static "
               "tree of as many nodes there (tau alone / with lookup, speedup with lookup):")  # fmt: skip
         for row in table["dynamic"]:
@@ -420,8 +357,8 @@ def main() -> None:
                   f"{row['speedup']:.2f}x; static tau {row['static_tau']:.2f} / {row['static_lookup_tau']:.2f}, "
                   f"{row['static_speedup']:.2f}x")  # fmt: skip
     lookup = table["chosen_lookup"] or "no"
-    tree = table.get("chosen_dynamic") or f"{table['chosen']}-node tree"
-    print(f"Saved the {tree} and {lookup} lookup tokens to {args.heads}/config.json")
+    saved = f" and what {len(table['acceptance'])} candidates accept" if simulated else ""
+    print(f"Saved the {table['chosen']}-node tree, {lookup} lookup tokens{saved} to {args.heads}/config.json")
 
 
 if __name__ == "__main__":

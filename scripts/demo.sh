@@ -27,3 +27,10 @@ Next, with them (or with heads/smollm2-135m-instruct, the shipped ones):
   $python decode.py --heads $heads --stream       # chat with them
   $python -m mtp.bench --heads $heads --questions data/mt_bench.jsonl --limit 8 --max-new-tokens 128
 NEXT
+$python - <<'FIGURE'
+import json
+run = json.load(open("runs/demo/bench.json"))
+overall, settings = run["summary"]["overall"], run["settings"]
+print(f"\nMeasured here ({settings['device_name']}), mtp with the shipped heads ({settings['plan']}): "
+      f"tau {overall['tau']:.2f}, {overall['speedup_vs_fastest_plain']:.2f}x the fastest plain decoder.")
+FIGURE

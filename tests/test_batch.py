@@ -13,6 +13,7 @@ from mtp.batch import Batch
 from mtp.cache import append_rows, attention_windows, keep_accepted, keep_rows, tree_attention_mask
 from mtp.decoding import Decoder
 from mtp.lookup import Lookup
+from mtp.pacing import Pacer, Plan
 from mtp.sampling import Sampling
 from mtp.tree import DynamicTree, Tree
 from tests.conftest import TINY_BASE
@@ -86,8 +87,9 @@ def test_a_step_over_more_rows_takes_the_tree_planned_for_that_many(tokenizer):
     prompts = [tokenizer(prompt, return_tensors="pt").input_ids for prompt in PROMPTS[:3]]
     alone = [reference(model, input_ids, 40) for input_ids in prompts]
     runs = [torch.cat([ids[0], torch.tensor(tokens)]) for ids, tokens in zip(prompts, alone, strict=True)]
-    root_alone = Tree.from_paths([])  # two rows or more: plain one-token steps
-    decoder = Decoder(model, tokenizer, OracleHeads(model, runs, 4), TREE, batch_trees={2: (root_alone, None)})
+    root_alone = Plan(Tree.from_paths([]))  # two rows or more: plain one-token steps
+    pacer = Pacer({1: [(Plan(TREE), 1.0)], 2: [(root_alone, 1.0)]})
+    decoder = Decoder(model, tokenizer, OracleHeads(model, runs, 4), pacer=pacer)
     results = decoder.generate(PROMPTS[:3], max_new_tokens=30, batch_size=2)
     assert [result.token_ids for result in results] == [tokens[:30] for tokens in alone]
     # prompts 0 and 1 step together, a token a pass, and end together; prompt 2 then runs alone on TREE
@@ -172,8 +174,6 @@ def test_bad_batches_are_clear_errors(tokenizer):
         decoder.generate(PROMPTS, batch_size=0)
     with pytest.raises(ValueError, match="Prompt 2 of 3: The prompt is empty"):
         decoder.generate(["Hi", " ", "Hello"], batch_size=2)
-    with pytest.raises(ValueError, match=r"batch_trees for \[1\] rows: give batch sizes of 2 or more"):
-        Decoder(tiny_model(), tokenizer, batch_trees={1: (TREE, None)})
     # RoPE whose frequencies follow a pass's highest position: a long row would change a short one's output
     dynamic = Decoder(tiny_model(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}), tokenizer)
     with pytest.raises(ValueError, match=r"rope_type \['dynamic'\].*decode these prompts with batch_size=1"):

@@ -10,6 +10,7 @@ from mtp.decoding import Decoder
 from mtp.drafters import DRAFTERS
 from mtp.drafting import TreeProposer
 from mtp.lookup import Lookup
+from mtp.pacing import Plan
 from mtp.target import Target
 from mtp.tree import DynamicTree, named_tree
 from tests.conftest import TINY_BASE
@@ -122,15 +123,15 @@ def test_rows_at_many_roots_of_one_sequence_draft_as_rows_added_one_by_one(head_
     ids = torch.randint(1, 500, (30,), generator=torch.Generator().manual_seed(0))
     states = target.run(bool(drafter.config.feature_layers), input_ids=ids[None], cache=DynamicCache())
     roots, plan = [5, 11, 29], DynamicTree(8, 3, 3)
-    fast, alone = drafter.proposer(target, {1: plan}, {}), drafter.proposer(target, {1: plan}, {})
+    fast, alone = drafter.proposer(target, {}), drafter.proposer(target, {})
     fast.at_roots(ids, states, roots)
     for p in roots:
         alone.add(ids[:p], target.run(bool(drafter.config.feature_layers), input_ids=ids[None, :p],
                                       cache=DynamicCache()), int(ids[p]))  # fmt: skip
     first = [ids[p : p + 1] for p in roots]
     (fast_trees, fast_tokens), (trees, tokens) = (
-        fast.propose(None, first, [3] * 3, 0),
-        alone.propose(None, first, [3] * 3, 0),
+        fast.propose(Plan(plan), None, first, [3] * 3, 0),
+        alone.propose(Plan(plan), None, first, [3] * 3, 0),
     )
     for a, b, tree_a, tree_b in zip(fast_tokens, tokens, fast_trees, trees, strict=True):
         assert torch.equal(a, b) and torch.equal(tree_a.parents, tree_b.parents)

@@ -108,7 +108,7 @@ def test_hydra_heads_fill_each_node_with_the_guess_for_its_own_path(tiny, config
     embed = torch.nn.Embedding(config.vocab_size, config.hidden_size)  # N(0, 1): the path weighs as much as hidden
     tree = Tree.from_paths([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (2, 0), (0, 0, 0), (1, 0, 0), (0, 1, 0)])
     hidden, root = torch.randn(config.hidden_size), torch.tensor([7])
-    proposer = heads.proposer(types.SimpleNamespace(lm_head=lm_head_module, embed=embed), {1: tree}, {})
+    proposer = heads.proposer(types.SimpleNamespace(lm_head=lm_head_module, embed=embed), {})
     proposer.hidden = [hidden]  # the row's hidden state at the root's parent
     with torch.no_grad():
         tokens = proposer.tokens(tree, root[None])[0]  # (N+1,)

@@ -4,21 +4,22 @@ import pytest
 import torch
 
 import mtp
+import mtp.costs
 import mtp.sizing
 from mtp.base import load_tokenizer
+from mtp.costs import SIZES, step_costs
 from mtp.decoding import Decoder
 from mtp.drafters import DRAFTERS
 from mtp.heads import MedusaHeads
 from mtp.lookup import FULL, Lookup
+from mtp.pacing import Candidate
 from mtp.sizing import (
-    BATCH_SIZES,
-    SIZES,
+    acceptance,
     grown_accepts,
     held_out_roots,
     simulate,
     size_tree,
     spread,
-    step_costs,
 )
 from mtp.tree import DynamicTree, Tree, grow_tree, named_tree
 from tests.conftest import TINY_BASE
@@ -66,9 +67,9 @@ def test_sizing_times_the_device_and_saves_the_best_tree_which_load_then_uses(tm
     assert table["chosen"] == best
     cached = json.loads((tmp_path / "cache" / "step_seconds.json").read_text())
     assert [len(v) for v in cached.values()] == [len([s for s in SIZES if s <= 8])]  # one device entry
-    decoder = mtp.load(path)
-    assert decoder.tree.size == best
-    assert decoder.tree.paths == tuple(sorted(grow_tree(heads.config.calibration, best)[0], key=lambda p: (len(p), p)))
+    saved = MedusaHeads.from_pretrained(path).config
+    assert saved.tree == [list(path) for path in grow_tree(heads.config.calibration, best)[0]]
+    assert saved.acceptance == []  # without held-out answers, load weighs the trees grown from the calibration
     size_tree(path, max_nodes=8, context=32)  # the second time, the cached timings: nothing new is measured
     assert json.loads((tmp_path / "cache" / "step_seconds.json").read_text()) == cached
 
@@ -114,9 +115,26 @@ def test_the_simulated_decoding_of_held_out_answers_counted_by_hand():
     assert simulate(ROOTS, 1, [2, 5], costs) == (7, 4, 1 + 3 + 1 + 3)
     assert simulate(ROOTS, 1, [], costs) == (7, 7, 7)  # plain decoding
     assert simulate(ROOTS, 4, [10], costs) == (7, 3, 4 + 4 + 6)  # no length for 2-token matches: none
-    # two rows at once, size 2: steps of 2, 4, 2 and 3 nodes, each row's drawn independently, and a step pads both
-    # rows to the larger: 2 nodes with probability 1/4, 3 with 9/16 - 1/4, 4 with 1 - 9/16
-    assert simulate(ROOTS, 2, [2, 5], costs, batch=2) == (7, 4, pytest.approx(4 * (2 / 4 + 3 * 5 / 16 + 4 * 7 / 16)))
+
+
+def test_what_each_candidate_accepts_per_step_counted_by_hand():
+    # as above, size 3: the heads' 2, their 1, then 1 (the answer's end) with lookup's 2 merged: 3 nodes each step
+    def saved(candidate: Candidate) -> dict:  # rounded as the folder keeps it
+        return candidate.as_dict()
+
+    assert saved(acceptance(ROOTS, 3, [2, 5], depth=2)) == saved(Candidate(3, (2, 5), 4 / 3, 0.0, (1.0,), 2))
+    # the root alone: 0, lookup's 2 (3 nodes), 0, lookup's 1 at the answer's end (3 nodes)
+    assert saved(acceptance(ROOTS, 1, [2, 5], depth=0)) == saved(Candidate(1, (2, 5), 0.0, 0.75, (0.5, 0.0, 0.5)))
+    assert saved(acceptance(ROOTS, 1, [0, 0], depth=0)) == saved(Candidate(1))  # plain decoding
+    # size 2: the heads' 1 at roots 0, 3 and 5 (where lookup's 2 are cut to 1 by the answer's end), none at root
+    # 2, whose 2 wrong lookup tokens are new nodes: steps of 2, 4, 2 and 3 nodes
+    candidate = acceptance(ROOTS, 2, [2, 5], depth=1)
+    assert saved(candidate) == saved(Candidate(2, (2, 5), 0.75, 0.0, (0.5, 0.25, 0.25), 1))
+    # two rows at once: a step pads both rows to the larger: 2 nodes with probability 1/4, 3 with 9/16 - 1/4, 4
+    # with 1 - 9/16
+    costs = [float(n) for n in range(1, 20)]
+    assert candidate.seconds(costs, 2) == pytest.approx(2 / 4 + 3 * 5 / 16 + 4 * 7 / 16)
+    assert candidate.seconds(costs) == pytest.approx((2 + 4 + 2 + 3) / 4)
 
 
 def test_sizing_with_held_out_answers_simulates_each_size_and_saves_the_best_tree_and_lookup(tmp_path, monkeypatch):
@@ -147,21 +165,21 @@ def test_sizing_with_held_out_answers_simulates_each_size_and_saves_the_best_tre
     chosen = table["lookup"][0]
     assert chosen["lengths"] == [0, 7] and chosen["tau"] == 8 and chosen["speedup"] == pytest.approx(0.32 / 0.12)
     assert table["chosen"] == 1 and table["chosen_lookup"] == [0, 7]
-    # batches: every step the same 8 nodes, so padding costs nothing and each batch size takes the same pair
-    chosen = [(row["rows"], row["size"], row["lengths"]) for row in table["batches"]]
-    assert chosen == [(batch, 1, [0, 7]) for batch in BATCH_SIZES]
-    assert MedusaHeads.from_pretrained(path).config.batch_trees[0] == {"rows": 2, "tree": [], "lookup": [0, 7]}
+    # what each candidate accepts is saved, and load weighs them by this machine's step costs (here the same
+    # fixed ones): the same choice; a tree or lookup the caller gives holds for every step
+    saved = MedusaHeads.from_pretrained(path).config.acceptance
+    assert {(row["size"], tuple(row["lookup"])) for row in saved} >= {(1, ()), (1, (0, 7)), (1, (FULL,) * 3)}
+    assert {row["size"] for row in saved} == {1, 2, 3, 4, 6}
+    monkeypatch.setattr(mtp.costs, "measure_steps", lambda *args, **kwargs: [0.04, 0.05, 0.06, 0.08, 0.10])
     decoder = mtp.load(path)
     assert decoder.tree.size == 1 and decoder.lookup.lengths == (0, 7)
-    assert sorted(decoder.plans) == [1, *BATCH_SIZES] and decoder.plans[16][1].lengths == (0, 7)
-    assert list(mtp.load(path, tree="chain").plans) == [1]  # a tree the caller chose holds for every batch
+    assert [len(options) for options in mtp.load(path, tree="chain").pacer.plans.values()] == [1]
     assert mtp.load(path, lookup=mtp.Lookup((0,))).lookup is None  # the caller can turn it off
-    # a dynamic tree faster than every static one on the same answers is saved, with its lookup, and load takes it
-    dynamic[0]["speedup"] = 3.0
-    table = size_tree(path, max_nodes=7, held_out=["answers"])
-    assert table["chosen_dynamic"] == "dynamic:4:2:2" and table["chosen_lookup"] == [1]
-    decoder = mtp.load(path)
-    assert decoder.tree == DynamicTree(4, 2, 2) and decoder.lookup.lengths == (1,)
+    # a dynamic tree in the folder's config is taken as the caller's would be
+    heads = MedusaHeads.from_pretrained(path)
+    heads.config.dynamic_tree = "dynamic:4:2:2"
+    heads.save_config(path)
+    assert mtp.load(path).tree == DynamicTree(4, 2, 2)
     assert mtp.load(path, tree="chain").tree.size == 4  # the caller's tree still comes first
 
 

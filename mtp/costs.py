@@ -1,0 +1,146 @@
+"""Step costs of this machine, measured once: the seconds of a decoding step that verifies n tree nodes over B
+rows, for the base model and drafter at hand, cached per machine (`mtp.machine.measured`: device, threads, torch,
+dtype, base model and drafter); and the pacing they give a drafter's candidates (`fit`, see `mtp.pacing`)."""
+
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+
+from mtp.decoding import Decoder
+from mtp.folder import Drafter
+from mtp.linears import usual_linears
+from mtp.lookup import Lookup
+from mtp.machine import cache_dir, device_name, measured
+from mtp.pacing import Candidate, Pacer, Plan
+from mtp.sampling import GREEDY
+from mtp.tree import Path, Tree
+
+SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # tree sizes (root included) timed on the device
+BATCH_MAX_NODES = 16  # the largest tree timed for a step over several rows (a batch pays each node B times)
+SPREAD = 0.2  # a size whose middle timings (upper over lower quartile) spread more than this is timed again
+RETAKES = 2  # at most this many times
+CONTEXT = 256  # prompt tokens before the timed steps
+
+
+def timed_sizes(paths: list[Path], batch: int) -> list[int]:
+    """The sizes in SIZES that `paths` can fill, up to BATCH_MAX_NODES when batch > 1."""
+    return [s for s in SIZES if s <= len(paths) + 1 and (batch == 1 or s <= BATCH_MAX_NODES)]
+
+
+def timed(call, device: torch.device) -> float:
+    """Seconds that `call()` takes on `device` (waiting for a GPU to finish)."""
+    start = time.perf_counter()
+    call()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def measure_steps(model, tokenizer, heads: Drafter, paths: list[Path], context: int = CONTEXT, steps: int = 6,
+                  batch: int = 1, bound: float | None = None) -> list[float]:  # fmt: skip
+    """Seconds per decoding step of `batch` rows for each of `timed_sizes` in turn, after prompts of `context`
+    random tokens: the median of `steps` steps after a warm-up one, timed again (RETAKES) while they spread more
+    than SPREAD. Size 1 is the fastest plain step: without the drafter, with the products mtp chose
+    (`mtp.linears`) or the usual ones, whichever ran faster. With `bound`, timing stops after the first size
+    whose step costs more than `bound` plain steps (no larger tree can pay)."""
+    prompts = torch.randint(len(tokenizer), (batch, 1, context), generator=torch.Generator().manual_seed(0))
+
+    def median_step(size: int, usual: bool = False) -> float:
+        decoder = Decoder(model, tokenizer, heads if size > 1 else None, Tree.from_paths(paths[: size - 1]))
+        spent = []
+        with usual_linears(model) if usual else nullcontext():
+            for _ in range(RETAKES + 1):
+                rows = decoder.batch(GREEDY)
+                for prompt in prompts:
+                    rows.add(prompt)
+                rows.step()  # warm-up
+                spent += sorted(timed(rows.step, model.device) for _ in range(steps))
+                spent.sort()
+                if spent[3 * len(spent) // 4] <= (1 + SPREAD) * spent[len(spent) // 4]:
+                    break
+        return spent[len(spent) // 2]
+
+    costs = [min(median_step(1), median_step(1, usual=True))]
+    for size in timed_sizes(paths, batch)[1:]:
+        costs.append(median_step(size))
+        if bound is not None and costs[-1] > bound * costs[0]:
+            break
+    return costs
+
+
+def step_costs(timed: list[float], max_nodes: int) -> list[float]:
+    """Seconds per step for every size 1..max_nodes: linear between the timed sizes (SIZES[: len(timed)]), and
+    past the last one along the last two's line; never decreasing (a bigger tree never costs less; a dip is timing
+    noise)."""
+    sizes = SIZES[: len(timed)]
+    costs = []
+    for n in range(1, max_nodes + 1):
+        i = max(j for j, s in enumerate(sizes) if s <= n)
+        j = min(i, len(sizes) - 2)  # past the last timed size: the line through the last two
+        if j < 0:
+            costs.append(timed[0])
+        else:
+            frac = (n - sizes[j]) / (sizes[j + 1] - sizes[j])
+            costs.append(timed[j] + frac * (timed[j + 1] - timed[j]))
+        costs[-1] = max(costs[-1], costs[-2] if len(costs) > 1 else 0.0)
+    return costs
+
+
+def machine_key(model, heads: Drafter, context: int = CONTEXT) -> str:
+    """What step costs depend on: the device (and threads), torch, the dtype, the base model, the drafter's kind."""
+    config = heads.config
+    vocabulary = len(config.draft_vocab or []) or "full"
+    return " | ".join([device_name(model.device), f"torch {torch.__version__}", str(model.dtype), config.identity(),
+                       f"{config.num_heads} {config.head_type} heads", config.lm_head,
+                       f"draft vocabulary {vocabulary}", f"context {context}"])  # fmt: skip
+
+
+def candidates(config, paths: list[Path], expected: list[float]) -> list[Candidate]:
+    """A drafter's candidates: those its folder saved (`HeadsConfig.acceptance`), else the trees of every timed
+    size grown from its calibration (`paths`, with the `expected` tau of each size: `mtp.tree.grow_tree`)."""
+    if config.acceptance:
+        return [Candidate.from_dict(saved) for saved in config.acceptance]
+    return [Candidate(size, (), expected[size - 1] - 1.0, depth=max(map(len, paths[: size - 1]), default=0))
+            for size in timed_sizes(paths, 1)]  # fmt: skip
+
+
+def fit(model, tokenizer, heads: Drafter, candidates: list[Candidate], paths: list[Path]) -> Pacer:
+    """The pacing of `candidates` (trees of the first size - 1 of `paths`) on this machine: step costs for one row
+    measured now (or read from the cache), those of B rows when a batch first needs them (`Pacer.prepare`); the
+    first measurement on a machine says in one line what it found and chose."""
+    trees = {size: Tree.from_paths(paths[: size - 1]) for size in {c.size for c in candidates}}
+    best = max(candidate.tau for candidate in candidates)
+    bound = round(1.5 * best * 2 + 0.5) / 2  # past this many plain steps, no candidate pays, even for good prompts
+    key = machine_key(model, heads)
+
+    def plans(batch: int) -> list[tuple[Plan, float]]:
+        sizes = timed_sizes(paths, batch)
+        name = f"{key} | sizes {sizes} | bound {bound}" + (f" | batch {batch}" if batch > 1 else "")
+        fresh = []
+        timed_costs = measured("step_seconds.json", name, lambda: measure_steps(model, tokenizer, heads, paths,
+                               batch=batch, bound=bound), fresh=fresh.append)  # fmt: skip
+        last = SIZES[len(timed_costs) - 1]  # the largest size timed
+        costs = step_costs(timed_costs, last + max(len(c.nodes) for c in candidates))
+        options = [(Plan(trees[c.size], Lookup(c.lookup) if any(c.lookup) else None, c), c.seconds(costs, batch))
+                   for c in candidates if c.size <= last]  # fmt: skip
+        if fresh:
+            plan, seconds = max(options, key=lambda option: option[0].candidate.tau / option[1])
+            ratios = ", ".join(f"{n} nodes {costs[n - 1] / costs[0]:.2f}x" for n in (2, 3, 4, 8) if n <= last)
+            rows = f"{batch} prompts at once" if batch > 1 else "one prompt"
+            print(f"mtp: timed decoding steps on {device_name(model.device)}, {model.dtype}, {rows} (once; kept in "
+                  f"{cache_dir() / 'step_seconds.json'}): plain {costs[0] * 1e3:.1f} ms, {ratios}; chose "
+                  f"{describe(plan)}, expected {plan.candidate.tau * costs[0] / seconds:.2f}x plain",
+                  file=sys.stderr)  # fmt: skip
+        return options
+
+    return Pacer({1: plans(1)}, measure=plans)
+
+
+def describe(plan: Plan) -> str:
+    """`plan` in a few words: its tree and lookup."""
+    tree = plan.tree if not isinstance(plan.tree, Tree) else f"the {plan.tree.size}-node tree"
+    tree = "plain steps" if plan.tree.size == 1 else tree
+    lookup = f"lookup {list(plan.lookup.lengths)}" if plan.lookup is not None else "no lookup"
+    return f"{tree} with {lookup}"

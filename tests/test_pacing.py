@@ -1,0 +1,128 @@
+"""Pacing: each step's tree and lookup chosen by expected speed from this machine's step costs (faked here, so that
+the right choice is known), measured once per machine; and per prompt as it goes, without changing the output."""
+
+import pytest
+import torch
+
+import mtp
+import mtp.costs
+from mtp.base import load_tokenizer
+from mtp.costs import fit
+from mtp.decoding import Decoder
+from mtp.heads import MedusaHeads
+from mtp.pacing import Candidate, Pacer, Plan
+from mtp.tree import Tree, grow_tree
+from tests.conftest import TINY_BASE
+from tests.test_decoding import PROMPT, OracleHeads, random_heads, reference, tiny_model
+from tests.test_stopping import save_random_heads
+
+CALIBRATION = [[0.6, 0.2, 0.1], [0.5, 0.3, 0.1], [0.4, 0.2, 0.1]]
+PATHS = grow_tree(CALIBRATION, 64)[0]
+# the root alone, and trees of 2, 4 and 8 nodes that accept more as they grow
+CANDIDATES = [Candidate(1), Candidate(2, (), 0.6, depth=1), Candidate(4, (), 1.0, depth=2),
+              Candidate(8, (), 1.3, depth=3)]  # fmt: skip
+CHEAP = [0.1] * 6  # sizes 1, 2, 3, 4, 6, 8 cost one plain step: the biggest tree pays most
+DEAR = [0.1, 0.2, 0.3, 0.4, 0.6, 0.8]  # every node costs a plain step: no tree pays
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(TINY_BASE)
+
+
+def fake_timings(monkeypatch, timings: dict[int, list[float]]) -> list[int]:
+    """measure_steps returns `timings[batch]`; returns the batch sizes it is asked for, in order."""
+    asked = []
+
+    def measure(*args, batch: int = 1, **kwargs):
+        asked.append(batch)
+        return timings[batch]
+
+    monkeypatch.setattr(mtp.costs, "measure_steps", measure)
+    return asked
+
+
+def test_cheap_rows_take_the_biggest_tree_and_dear_rows_plain_steps(tmp_path, monkeypatch, tokenizer):
+    monkeypatch.setenv("MTP_CACHE", str(tmp_path))
+    model = tiny_model()
+    heads = random_heads(model, num_heads=3)
+    asked = fake_timings(monkeypatch, {1: CHEAP, 2: DEAR, 4: CHEAP})
+    pacer = fit(model, tokenizer, heads, CANDIDATES, PATHS)
+    assert pacer.best(1).tree.size == 8 and pacer.best(1).tree.paths == Tree.from_paths(PATHS[:7]).paths
+    assert asked == [1]  # batch sizes are timed when a batch first needs them
+    pacer.prepare(3)
+    assert asked == [1, 2] and pacer.best(3).tree.size == 1  # a step over 2 or 3 rows: plain
+    pacer.prepare(4)
+    assert asked == [1, 2, 4] and pacer.best(4).tree.size == 8
+    # in between: tokens per second 1 / 0.1 = 10 plain, 1.6 / 0.15 = 10.7 with 2 nodes, 2 / 0.2 = 10 with 4, 2.3 /
+    # 0.35 = 6.6 with 8
+    fake_timings(monkeypatch, {1: [0.1, 0.15, 0.18, 0.2, 0.28, 0.35]})
+    monkeypatch.setenv("MTP_CACHE", str(tmp_path / "another"))
+    assert fit(model, tokenizer, heads, CANDIDATES, PATHS).best(1).tree.size == 2
+
+
+def test_costs_are_measured_once_per_machine_and_the_first_time_said_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MTP_CACHE", str(tmp_path / "cache"))
+    path, _, _ = save_random_heads(tmp_path)
+    heads = MedusaHeads.from_pretrained(path)
+    heads.config.calibration = CALIBRATION
+    heads.save_config(path)
+    asked = fake_timings(monkeypatch, {1: CHEAP})
+    first = mtp.load(path)
+    said = capsys.readouterr().err.strip().splitlines()
+    assert asked == [1] and len(said) == 1 and said[0].startswith("mtp: timed decoding steps on ")
+    assert "chose the 8-node tree with no lookup" in said[0]  # the calibration's trees: the biggest timed
+    second = mtp.load(path)
+    assert asked == [1] and capsys.readouterr().err == ""  # read from the cache: silent, the same choice
+    assert second.tree.paths == first.tree.paths and second.lookup is first.lookup is None
+    # the caller's tree wins: nothing measured, nothing chosen
+    chosen = mtp.load(path, tree="chain")
+    assert asked == [1] and chosen.tree.size == 4 and list(chosen.pacer.plans) == [1]
+    assert len(chosen.pacer.plans[1]) == 1
+    # another machine (or thread count) is timed anew
+    monkeypatch.setattr(mtp.costs, "device_name", lambda device: "Another CPU x3 threads")
+    mtp.load(path)
+    assert asked == [1, 1] and "Another CPU x3 threads" in capsys.readouterr().err
+
+
+class Recorded(Pacer):
+    """A pacer that keeps every step's plan."""
+
+    def plan(self, rows):
+        chosen = super().plan(rows)
+        self.chosen.append(chosen.tree.size)
+        return chosen
+
+
+def paced(candidates: list[Candidate], seconds: list[float]) -> Recorded:
+    pacer = Recorded({1: [(Plan(Tree.from_paths(PATHS[: c.size - 1]), None, c), s)
+                          for c, s in zip(candidates, seconds, strict=True)]})  # fmt: skip
+    pacer.chosen = []
+    return pacer
+
+
+def test_a_prompt_whose_guesses_are_never_right_ends_at_plain_steps_with_the_same_output(tokenizer):
+    model = tiny_model()
+    input_ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    # at the average skill the 4-node tree pays (2 tokens for 1.3 plain steps); random heads are never right
+    pacer = paced([Candidate(1), Candidate(4, (), 1.0, depth=2)], [1.0, 1.3])
+    decoder = Decoder(model, tokenizer, random_heads(model, num_heads=3), pacer=pacer)
+    result = decoder.generate(PROMPT, max_new_tokens=60)
+    assert result.token_ids == reference(model, input_ids, 60)
+    assert pacer.chosen[0] == 4 and result.tau < 1.05
+    later = pacer.chosen[8:]
+    assert later.count(1) >= 0.75 * len(later)  # plain steps, with a rare try of the tree
+    # guesses always right keep the tree every step
+    run = torch.cat([input_ids[0], torch.tensor(reference(model, input_ids, 60))])
+    pacer = paced([Candidate(1), Candidate(4, (), 1.0, depth=2)], [1.0, 1.3])
+    decoder = Decoder(model, tokenizer, OracleHeads(model, run, 3), pacer=pacer)
+    result = decoder.generate(PROMPT, max_new_tokens=60)
+    assert result.token_ids == reference(model, input_ids, 60)
+    assert set(pacer.chosen) == {4} and result.tau > 2.5
+
+
+def test_skills_scale_what_a_candidate_expects_up_to_what_it_can_accept():
+    candidate = Candidate(4, (0, 4), 1.0, 0.5, depth=2)
+    assert candidate.tau == 2.5 and candidate.expected(1.0, 1.0) == 2.5
+    assert candidate.expected(0.0, 0.0) == 1.0
+    assert candidate.expected(4.0, 4.0) == 1 + 2 + 2  # at most the tree's depth, and lookup's 2
