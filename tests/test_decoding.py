@@ -245,8 +245,8 @@ def test_the_shipped_heads_decode_the_first_mt_bench_question_as_plain_greedy_do
     from tests.conftest import DATA, ROOT
 
     shipped = str(ROOT / "heads" / "smollm2-135m-instruct")
-    saved = json.loads((ROOT / "heads" / "smollm2-135m-instruct" / "config.json").read_text())["tree"]
-    assert set(mtp.load(shipped).tree.paths) == {tuple(path) for path in saved}  # the tree mtp.sizing saved
+    saved = json.loads((ROOT / "heads" / "smollm2-135m-instruct" / "config.json").read_text())["acceptance"]
+    assert {row["size"] for row in saved} >= {1, 2, 3, 4}  # what load paces among (tests/test_pacing.py)
     decoder = mtp.load(shipped, tree="3")  # the root and head 0's two best guesses, grown from the calibration
     assert decoder.tree.size == 3 and decoder.heads.config.calibration is not None
     question = json.loads((DATA / "mt_bench.jsonl").read_text().splitlines()[0])["turns"][0]
