@@ -310,7 +310,8 @@ def size_tree(heads_path: str, **options) -> dict:
     heads.config.tree = [list(path) for path in table["paths"][: table["chosen"] - 1]]
     heads.config.lookup = table["chosen_lookup"]
     heads.config.dynamic_tree = None
-    heads.config.acceptance = [candidate.as_dict() for candidate in table.get("acceptance", [])]
+    if "acceptance" in table:  # without held-out answers, what was measured with them stays
+        heads.config.acceptance = [candidate.as_dict() for candidate in table["acceptance"]]
     heads.save_config(heads_path)
     return table
 

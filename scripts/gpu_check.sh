@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check, for the day a machine with CUDA is lent (nothing but this repository and its installed packages
 # needed; under 8 minutes on one GPU): the tiny recipe trained on the GPU, then the shipped drafter sized and
-# benchmarked on the packaged SmolLM2 in CUDA (bfloat16): tau, the step costs and the speedups against the fastest
-# plain decoder, all printed. Results go to runs/gpu-check/ (or $OUT when set). MTP_DEVICE=cpu runs the same steps
+# benchmarked on the packaged SmolLM2 in CUDA (bfloat16): tau, the step costs, the tree and lookup that loading
+# chose from the costs it measured there, and the speedups against the fastest plain decoder, all printed. Results go to runs/gpu-check/ (or $OUT when set). MTP_DEVICE=cpu runs the same steps
 # on the CPU, smaller (CI does, so that the script cannot rot).
 #   bash scripts/gpu_check.sh
 set -euo pipefail

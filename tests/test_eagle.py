@@ -77,7 +77,7 @@ def test_decoding_drafts_along_a_chain_what_the_training_time_test_predicts():
     lm_head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     guesses = drafter.path_guesses(None, features, sequence, lm_head, embed, 1)  # (K, T, 1)
     proposer = batch.proposers[0]
-    tree = proposer.tree(1, 3)
+    tree = proposer.tree(CHAIN, 3)
     tokens = proposer.tokens(tree, torch.tensor([[root]]))[0]  # (4,) root, then the chain's guesses
     # the chain's first node is guessed from the root's entry: the last true feature sits at the root's parent
     assert tokens[1] == guesses[0, -2, 0]
@@ -104,7 +104,7 @@ def test_the_drafters_cache_after_acceptance_equals_a_fresh_run_over_the_accepte
             text.extend(settled)
     proposer = batch.proposers[0]
     for b, text in enumerate(texts):
-        fresh = EagleProposer(drafter, decoder.target, {1: CHAIN}, {})
+        fresh = EagleProposer(drafter, decoder.target, {})
         ids = torch.tensor(text[:-1])
         states = decoder.target.run(True, input_ids=ids[None])
         fresh.add(ids, states, text[-1])
