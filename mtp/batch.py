@@ -164,7 +164,8 @@ class Batch:
         for row, tree, row_nodes, row_settled in zip(self.rows, trees, nodes, settled, strict=True):
             row.prefix_len, row.root = row.prefix_len + len(row_nodes), row_settled[-1]
             sources = tree.sources[row_nodes[1:]].tolist()
-            grafted = sum(sources.count(i) for i, p in enumerate(self.proposers) if p.grafts)
+            counts = [sources.count(i) for i in range(len(self.proposers))]  # accepted, per proposer
+            grafted = sum(count for count, p in zip(counts, self.proposers, strict=True) if p.grafts)
             self.pacer.update(row, plan, len(sources) - grafted, grafted)
-            results.append((row_settled, {p.name: sources.count(i) for i, p in enumerate(self.proposers)}))
+            results.append((row_settled, {p.name: count for p, count in zip(self.proposers, counts, strict=True)}))
         return results

@@ -242,7 +242,7 @@ def main() -> None:
     timed_generate(model, [decoder.encode(warm_up).to(args.device)], 8, sampling)
     with usual_linears(model):
         timed_generate(model, [decoder.encode(warm_up).to(args.device)], 8, sampling)
-    paced = len(decoder.pacer.plans[1]) > 1
+    paced = len(decoder.pacer.options(1)) > 1
     plan = ("paced per prompt, from " if paced else "") + describe(decoder.pacer.best(1))
     print(f"mtp decodes with {plan}", file=sys.stderr)
     settings = {k: v for k, v in vars(args).items() if k != "out"} | {"plan": plan,

@@ -13,7 +13,7 @@ from mtp.folder import Drafter
 from mtp.linears import usual_linears
 from mtp.lookup import Lookup
 from mtp.machine import cache_dir, device_name, measured
-from mtp.pacing import Candidate, Pacer, Plan
+from mtp.pacing import Candidate, Pacer, Plan, fastest
 from mtp.sampling import GREEDY
 from mtp.tree import Path, Tree
 
@@ -56,8 +56,7 @@ def measure_steps(model, tokenizer, heads: Drafter, paths: list[Path], context: 
                 for prompt in prompts:
                     rows.add(prompt)
                 rows.step()  # warm-up
-                spent += sorted(timed(rows.step, model.device) for _ in range(steps))
-                spent.sort()
+                spent = sorted(spent + [timed(rows.step, model.device) for _ in range(steps)])
                 if spent[3 * len(spent) // 4] <= (1 + SPREAD) * spent[len(spent) // 4]:
                     break
         return spent[len(spent) // 2]
@@ -126,7 +125,7 @@ def fit(model, tokenizer, heads: Drafter, candidates: list[Candidate], paths: li
         options = [(Plan(trees[c.size], Lookup(c.lookup) if any(c.lookup) else None, c), c.seconds(costs, batch))
                    for c in candidates if c.size <= last]  # fmt: skip
         if fresh:
-            plan, seconds = max(options, key=lambda option: option[0].candidate.tau / option[1])
+            plan, seconds = fastest(options, [(1.0, 1.0)] * batch)
             ratios = ", ".join(f"{n} nodes {costs[n - 1] / costs[0]:.2f}x" for n in (2, 3, 4, 8) if n <= last)
             rows = f"{batch} prompts at once" if batch > 1 else "one prompt"
             print(f"mtp: timed decoding steps on {device_name(model.device)}, {model.dtype}, {rows} (once; kept in "

@@ -17,6 +17,7 @@ tree changes between steps, never the acceptance rule.
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from itertools import accumulate
 
 from mtp.lookup import Lookup
@@ -51,17 +52,21 @@ class Candidate:
         """Expected tokens per step on the held-out answers (the bonus token included)."""
         return 1.0 + self.from_tree + self.from_lookup
 
+    @cached_property
+    def reach(self) -> int:
+        """The most candidates lookup can add."""
+        return max(self.lookup, default=0)
+
     def expected(self, tree_skill: float, lookup_skill: float) -> float:
         """Tokens per step for a row whose drafters accept `tree_skill` and `lookup_skill` times the average."""
-        reach = max(self.lookup, default=0)
-        return 1.0 + min(self.from_tree * tree_skill, self.depth) + min(self.from_lookup * lookup_skill, reach)
+        return 1.0 + min(self.from_tree * tree_skill, self.depth) + min(self.from_lookup * lookup_skill, self.reach)
 
     def seconds(self, costs: list[float], rows: int = 1) -> float:
         """Expected seconds of a step over `rows` rows, costs[n - 1] being a step of n nodes per row: every row's
         tree is padded to the largest, so a step costs its rows' most nodes."""
-        total, below = 0.0, 0.0
+        total, below, steps = 0.0, 0.0, sum(self.nodes)
         for extra, at_most in enumerate(accumulate(self.nodes)):  # P(the most of `rows` steps is size + extra)
-            at_most = min(at_most / sum(self.nodes), 1.0)
+            at_most = min(at_most / steps, 1.0)
             total += (at_most**rows - below**rows) * costs[min(self.size + extra, len(costs)) - 1]
             below = at_most
         return total
@@ -112,19 +117,18 @@ class Pacer:
     def plan(self, rows: list) -> Plan:
         """The plan with the most expected tokens per second over `rows` (each with its `tree_skill` and
         `lookup_skill`)."""
-        return self.best(len(rows), [(row.tree_skill, row.lookup_skill) for row in rows])
-
-    def best(self, rows: int, skills: list[tuple[float, float]] | None = None) -> Plan:
-        """The plan with the most expected tokens per second for `rows` rows of these skills (default: average)."""
-        options = self.plans[max(b for b in self.plans if b <= rows)]
+        options = self.options(len(rows))
         if len(options) == 1:
             return options[0][0]
-        skills = skills or [(1.0, 1.0)] * rows
+        return fastest(options, [(row.tree_skill, row.lookup_skill) for row in rows])[0]
 
-        def speed(option: tuple[Plan, float]) -> float:
-            return sum(option[0].candidate.expected(*skill) for skill in skills) / option[1]
+    def best(self, rows: int) -> Plan:
+        """The plan with the most expected tokens per second for `rows` rows of average skill."""
+        return fastest(self.options(rows), [(1.0, 1.0)] * rows)[0]
 
-        return max(options, key=speed)[0]
+    def options(self, rows: int) -> list[tuple[Plan, float]]:
+        """The plans of a step over `rows` rows, each with its expected seconds."""
+        return self.plans[max(b for b in self.plans if b <= rows)]
 
     @staticmethod
     def update(row, plan: Plan, from_tree: int, from_lookup: int) -> None:
@@ -132,6 +136,14 @@ class Pacer:
         if plan.candidate is not None:
             row.tree_skill = _skill(row.tree_skill, from_tree, plan.candidate.from_tree)
             row.lookup_skill = _skill(row.lookup_skill, from_lookup, plan.candidate.from_lookup)
+
+
+def fastest(options: list[tuple[Plan, float]], skills: list[tuple[float, float]]) -> tuple[Plan, float]:
+    """The option (a plan and its expected seconds) with the most expected tokens per second for rows of these
+    (tree, lookup) skills; a lone option, whatever it expects."""
+    if len(options) == 1:
+        return options[0]
+    return max(options, key=lambda option: sum(option[0].candidate.expected(*skill) for skill in skills) / option[1])
 
 
 def _skill(skill: float, accepted: int, expected: float) -> float:
