@@ -7,7 +7,7 @@ at once; a row leaves as soon as its caller says it is done, and costs nothing a
 """
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.profiler import record_function
@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 from mtp.cache import append_rows, grouped_keys, keep_accepted, keep_rows, tree_attention_mask
 from mtp.drafting import Proposer
-from mtp.pacing import Pacer, Plan
+from mtp.pacing import Pacer, Plan, Skill
 from mtp.sampling import Sampling, accept_exact, accept_typical, draw
 from mtp.target import Target
 from mtp.tree import Tree
@@ -31,8 +31,8 @@ class Row:
     """The last settled token, not cached yet: the root of the next tree."""
     max_length: int
     """The row ends at this length (prompt and new tokens): no node is placed at max_length - 1 or later."""
-    tree_skill: float = 1.0
-    lookup_skill: float = 1.0
+    tree_skill: Skill = field(default_factory=Skill)
+    lookup_skill: Skill = field(default_factory=Skill)
     """How many times the average the tree's and lookup's candidates are accepted in this row of late (see
     `mtp.pacing`)."""
 

@@ -202,6 +202,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, nargs="+", metavar="B",
                         help="instead: total tokens/s of mtp and plain `generate` answering B prompts at a time, "
                         "for each B, against one at a time")  # fmt: skip
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="time each decoder N times per question, in turn, and keep its fastest time (greedy "
+                        "only): steadier figures from few questions on a noisy machine")  # fmt: skip
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--out", default="runs/bench/bench.json", help="JSON out; the Markdown table goes beside it")
@@ -212,6 +215,9 @@ def main() -> None:
             f"--against-tree given {len(args.against_tree)} times for {len(args.against)} --against "
             "drafters: give one tree per --against, in the same order (a number N for the grown tree)."
         )
+    if args.repeat < 1 or (args.repeat > 1 and (not sampling.greedy or args.batch_size)):
+        raise ValueError(f"--repeat {args.repeat}: give 1 or more, and more than 1 only for greedy decoding of "
+                         "questions one at a time (samples differ from one time to the next).")  # fmt: skip
     if args.batch_size and min(args.batch_size) < 1:
         raise ValueError(f"--batch-size {args.batch_size}: give batch sizes of 1 or more.")
     if args.seed is not None:
@@ -257,8 +263,8 @@ def main() -> None:
         out.with_suffix(".md").write_text(table + "\n")
         print(table)
         return
-    rows = []
-    for question, messages in zip(tqdm(questions, desc="benchmark", unit="question"), chats, strict=True):
+
+    def answer(question: dict, messages: list[dict]) -> dict:  # each decoder in turn, once
         input_ids = decoder.encode(messages).to(args.device)
         with usual_linears(model):  # as users run it
             (plain,), plain_seconds = timed_generate(model, [input_ids], args.max_new_tokens, sampling)
@@ -267,28 +273,34 @@ def main() -> None:
         (lookup,), lookup_seconds = timed_generate(model, [input_ids], args.max_new_tokens, sampling,
                                                    prompt_lookup_num_tokens=10)  # fmt: skip
         result = decoder.generate(messages, max_new_tokens=args.max_new_tokens, sampling=sampling)
-        rows.append({
+        row = {
             "category": question.get("category", "all"), "forward_passes": result.forward_passes,
             "accept_lengths": result.accept_lengths, "lookup_accepted": result.lookup_accepted,
             "mtp_tokens": len(result.token_ids), "plain_tokens": len(plain),
             "lookup_tokens": len(lookup), "plain_seconds": plain_seconds, "lookup_seconds": lookup_seconds,
             "mtp_seconds": result.seconds,
             "matches_plain": result.token_ids == plain if sampling.greedy else None,  # samples differ by chance
-        })  # fmt: skip
+        }  # fmt: skip
         if plain_fast:
-            rows[-1] |= {"plain_fast_tokens": len(fast), "plain_fast_seconds": fast_seconds}
+            row |= {"plain_fast_tokens": len(fast), "plain_fast_seconds": fast_seconds}
         if heads_alone:
             alone = heads_alone.generate(messages, max_new_tokens=args.max_new_tokens, sampling=sampling)
-            rows[-1] |= {"heads_tokens": len(alone.token_ids), "heads_seconds": alone.seconds}
+            row |= {"heads_tokens": len(alone.token_ids), "heads_seconds": alone.seconds}
         for number, other in enumerate(others, 1):
             theirs = other.generate(messages, max_new_tokens=args.max_new_tokens, sampling=sampling)
             name = f"against_{number}"
-            rows[-1] |= {
+            row |= {
                 f"{name}_tokens": len(theirs.token_ids),
                 f"{name}_seconds": theirs.seconds,
                 f"{name}_passes": theirs.forward_passes,
                 f"{name}_matches_plain": theirs.token_ids == plain if sampling.greedy else None,
             }
+        return row
+
+    rows = []
+    for question, messages in zip(tqdm(questions, desc="benchmark", unit="question"), chats, strict=True):
+        runs = [answer(question, messages) for _ in range(args.repeat)]  # greedy: the same tokens every time
+        rows.append(runs[0] | {key: min(run[key] for run in runs) for key in runs[0] if key.endswith("_seconds")})
     summary = {
         c: summarise([r for r in rows if r["category"] == c]) for c in dict.fromkeys(r["category"] for r in rows)
     }

@@ -11,8 +11,8 @@ a candidate: where no tree pays, mtp decodes plainly.
 Each row keeps a running skill per drafter (its accepted candidates over those the step's candidate expects,
 smoothed over the last few steps); each step takes the candidate with the most expected tokens per second for
 the rows at hand. A prompt whose guesses are rarely right shrinks its tree, down to plain steps; while a drafter
-sits out, its skill drifts back to the average, so the tree grows back to try again. Lossless either way: the
-tree changes between steps, never the acceptance rule.
+sits out, its skill drifts back to the average, so the tree grows back to try again, ever more rarely while its
+tries keep failing. Lossless either way: the tree changes between steps, never the acceptance rule.
 """
 
 from collections.abc import Callable
@@ -26,6 +26,7 @@ from mtp.tree import DynamicTree, Tree
 RATE = 0.3  # the weight of a step's acceptance in a row's running skill (about the last 3 steps count)
 RETURN = 0.02  # per step a drafter sits out, its skill moves this share of the way back to 1 (the average): a
 # drafter dropped for a prompt is tried again after a few steps, not every other one
+MIN_RETURN = RETURN / 8  # each failed try of a drafter halves its return (`Skill`), down to this
 MAX_SKILL = 4.0  # a step's acceptance counts at most this many times what the candidate expects
 BATCH_SIZES = (2, 4, 8, 16)  # steps over at least this many rows get plans of their own
 
@@ -116,11 +117,11 @@ class Pacer:
 
     def plan(self, rows: list) -> Plan:
         """The plan with the most expected tokens per second over `rows` (each with its `tree_skill` and
-        `lookup_skill`)."""
+        `lookup_skill`, `Skill`s)."""
         options = self.options(len(rows))
         if len(options) == 1:
             return options[0][0]
-        return fastest(options, [(row.tree_skill, row.lookup_skill) for row in rows])[0]
+        return fastest(options, [(row.tree_skill.value, row.lookup_skill.value) for row in rows])[0]
 
     def best(self, rows: int) -> Plan:
         """The plan with the most expected tokens per second for `rows` rows of average skill."""
@@ -134,8 +135,8 @@ class Pacer:
     def update(row, plan: Plan, from_tree: int, from_lookup: int) -> None:
         """A row's skills after a step of `plan` that accepted these candidates from the tree and from lookup."""
         if plan.candidate is not None:
-            row.tree_skill = _skill(row.tree_skill, from_tree, plan.candidate.from_tree)
-            row.lookup_skill = _skill(row.lookup_skill, from_lookup, plan.candidate.from_lookup)
+            row.tree_skill.update(from_tree, plan.candidate.from_tree)
+            row.lookup_skill.update(from_lookup, plan.candidate.from_lookup)
 
 
 def fastest(options: list[tuple[Plan, float]], skills: list[tuple[float, float]]) -> tuple[Plan, float]:
@@ -146,7 +147,27 @@ def fastest(options: list[tuple[Plan, float]], skills: list[tuple[float, float]]
     return max(options, key=lambda option: sum(option[0].candidate.expected(*skill) for skill in skills) / option[1])
 
 
-def _skill(skill: float, accepted: int, expected: float) -> float:
-    if expected <= 0:  # the drafter sat out: back toward the average
-        return skill + RETURN * (1.0 - skill)
-    return skill + RATE * (min(accepted / expected, MAX_SKILL) - skill)
+@dataclass
+class Skill:
+    """How many times the average a drafter's candidates are accepted in one row of late (`value`), and the share
+    of the way back to the average it drifts each step the drafter sits out (`back`): halved by each try after
+    sitting out that accepts none of its candidates (down to MIN_RETURN), so that a drafter whose tries keep
+    failing is tried ever more rarely; back to RETURN when a step accepts any."""
+
+    value: float = 1.0
+    back: float = RETURN
+    resting: bool = False
+    """The drafter sat out the last step."""
+
+    def update(self, accepted: int, expected: float) -> None:
+        """After a step whose candidate expected `expected` accepted candidates from the drafter (0: it sat out)."""
+        if expected <= 0:
+            self.value += self.back * (1.0 - self.value)
+            self.resting = True
+            return
+        self.value += RATE * (min(accepted / expected, MAX_SKILL) - self.value)
+        if accepted:
+            self.back = RETURN
+        elif self.resting:
+            self.back = max(self.back / 2, MIN_RETURN)
+        self.resting = False

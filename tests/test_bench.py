@@ -9,7 +9,7 @@ from tests.conftest import DATA, ROOT
 from tests.test_stopping import save_random_heads
 
 
-@pytest.mark.parametrize("sampling", [["--lookup", "4"], ["--temperature", "0.7", "--top-p", "0.9", "--seed", "0"]],
+@pytest.mark.parametrize("sampling", [["--lookup", "4", "--repeat", "2"], ["--temperature", "0.7", "--top-p", "0.9", "--seed", "0"]],
                          ids=["greedy-lookup", "sampling-heads-alone"])  # fmt: skip
 def test_bench_writes_its_json_and_table_and_finds_no_mismatch(tmp_path, sampling):
     path, _, _ = save_random_heads(tmp_path, "own")
@@ -41,6 +41,7 @@ def test_bench_writes_its_json_and_table_and_finds_no_mismatch(tmp_path, samplin
     # greedy: every output equals plain generate's; sampling: outputs differ by chance, nothing is compared
     assert all(row["matches_plain"] is (True if greedy else None) for row in report["questions"])
     assert report["settings"]["temperature"] == (0.0 if greedy else 0.7)
+    assert report["settings"]["repeat"] == (2 if greedy else 1)  # greedy: each decoder timed twice, its best kept
     assert out.with_suffix(".md").read_text().startswith("| category |") and "| overall | 3 |" in done.stdout
 
 

@@ -10,7 +10,8 @@ from mtp.base import load_tokenizer
 from mtp.costs import fit
 from mtp.decoding import Decoder
 from mtp.heads import MedusaHeads
-from mtp.pacing import Candidate, Pacer, Plan
+from mtp.batch import Row
+from mtp.pacing import MIN_RETURN, RETURN, Candidate, Pacer, Plan
 from mtp.tree import Tree, grow_tree
 from tests.conftest import TINY_BASE
 from tests.test_decoding import PROMPT, OracleHeads, random_heads, reference, tiny_model
@@ -126,3 +127,26 @@ def test_skills_scale_what_a_candidate_expects_up_to_what_it_can_accept():
     assert candidate.tau == 2.5 and candidate.expected(1.0, 1.0) == 2.5
     assert candidate.expected(0.0, 0.0) == 1.0
     assert candidate.expected(4.0, 4.0) == 1 + 2 + 2  # at most the tree's depth, and lookup's 2
+
+
+def test_a_drafter_whose_tries_keep_failing_is_tried_ever_more_rarely_and_one_hit_restores_it():
+    pacer = paced([Candidate(1), Candidate(4, (), 1.0, depth=2)], [1.0, 1.3])
+    row = Row(prefix_len=0, root=0, max_length=10_000)
+
+    def tries(steps: int, hit: bool = False) -> list[int]:
+        chosen = []
+        for step in range(steps):
+            plan = pacer.plan([row])
+            if plan.tree.size > 1:
+                chosen.append(step)
+            pacer.update(row, plan, int(hit and plan.tree.size > 1), 0)
+        return chosen
+
+    failed = tries(600)
+    retries = [step for step in failed if step - 1 not in failed]  # tries after sitting out
+    gaps = [later - earlier for earlier, later in zip(retries, retries[1:], strict=False)]
+    assert failed[0] == 0 and len(gaps) >= 5
+    assert gaps[0] < gaps[1] < gaps[2] < gaps[3] and gaps[3] >= 5 * gaps[0]  # backing off
+    assert abs(gaps[-1] - gaps[-2]) <= 1 and row.tree_skill.back == MIN_RETURN  # to a floor
+    tries(gaps[-1] + 1, hit=True)  # the next try accepts a candidate: tried again as soon as at first
+    assert row.tree_skill.back == RETURN
