@@ -5,7 +5,9 @@ import torch
 from mtp.base import load_base
 from mtp.costs import candidates, fit
 from mtp.decoding import Decoder, GenerationResult
+from mtp.eagle import Eagle  # the kinds of drafter: each joins `Drafter.kinds` as it is defined
 from mtp.folder import Drafter
+from mtp.heads import HydraHeads, MedusaHeads
 from mtp.linears import fast_linears, usual_linears
 from mtp.lookup import Lookup
 from mtp.sampling import Sampling
@@ -13,7 +15,8 @@ from mtp.tree import DEFAULT_TREE, DynamicTree, Tree, grow_tree, named_tree
 
 MAX_NODES = 64  # the largest tree a drafter's calibration grows for pacing (as `mtp.sizing` grows it)
 
-__all__ = ["Decoder", "GenerationResult", "Lookup", "Sampling", "fast_linears", "load", "usual_linears"]
+__all__ = ["Decoder", "Drafter", "Eagle", "GenerationResult", "HydraHeads", "Lookup", "MedusaHeads", "Sampling",
+           "fast_linears", "load", "usual_linears"]  # fmt: skip
 
 
 def load(

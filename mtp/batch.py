@@ -79,9 +79,6 @@ class Batch:
         self.layers = any(proposer.layers for proposer in proposers)  # a drafter reads more than the last states
         self.root = Tree.from_paths([]).to(self.device)  # every step's tree before the drafters propose
 
-    def __len__(self) -> int:
-        return len(self.rows)
-
     @torch.no_grad()
     def add(self, input_ids: torch.Tensor, max_length: int | None = None) -> int:
         """Prefill the prompt `input_ids` (1, T) alone and add it as the last row; returns its first new token.

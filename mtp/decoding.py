@@ -10,8 +10,9 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from mtp.batch import Batch
+from mtp.drafting import LookupProposer
 from mtp.folder import Drafter
-from mtp.lookup import Lookup, LookupProposer
+from mtp.lookup import Lookup
 from mtp.pacing import Pacer, Plan
 from mtp.sampling import GREEDY, Sampling
 from mtp.target import Target

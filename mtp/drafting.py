@@ -8,16 +8,13 @@ it there (`Tree.sources`).
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from mtp.pacing import Plan
 from mtp.target import States, Target
 from mtp.tree import DynamicTree, Tree
-
-if TYPE_CHECKING:  # for annotations only: the plans of mtp.pacing name prompt lookup, a proposer itself
-    from mtp.pacing import Plan
 
 
 class Proposer:
@@ -33,7 +30,7 @@ class Proposer:
         """A row joins as the last: its prompt input_ids (T,), the prefill's states (of one row, T queries) and
         the first new token, `root`."""
 
-    def propose(self, plan: "Plan", trees: list[Tree], tokens: list[torch.Tensor], rooms: list[int], source: int):
+    def propose(self, plan: Plan, trees: list[Tree], tokens: list[torch.Tensor], rooms: list[int], source: int):
         """Each row's tree and its tokens (N_b+1,) so far -> with this drafter's candidates as the step's `plan`
         says, its new nodes marked `source`; no node deeper than the row's room."""
         raise NotImplementedError
@@ -140,3 +137,30 @@ class TreeProposer(Proposer):
         """The top-k children of `nodes` (B, P) of each row's `draft`, all of depth `depth` - 1 (depth 1: the root,
         a new step): their token ids (B, P, k) and draft log-probabilities (B, P, k), most probable first."""
         raise NotImplementedError
+
+
+class LookupProposer(Proposer):
+    """Prompt lookup over the rows of a batch: each row's text so far (prompt and settled tokens), and the chain of
+    the step's lookup grafted onto each row's tree."""
+
+    name, grafts = "lookup", True
+
+    def __init__(self):
+        self.sequences = []  # per row, (T,) the prompt and every settled token
+
+    def add(self, input_ids, states, root):
+        self.sequences.append(torch.cat([input_ids.cpu(), torch.tensor([root])]))
+
+    def propose(self, plan, trees, tokens, rooms, source):
+        lookup = plan.lookup
+        if lookup is None:
+            return trees, tokens
+        chains = [lookup.propose(sequence)[:room] for sequence, room in zip(self.sequences, rooms, strict=True)]
+        grafts = [tree.graft(row, chain, source) for tree, row, chain in zip(trees, tokens, chains, strict=True)]
+        return [tree for tree, _ in grafts], [row for _, row in grafts]
+
+    def accept(self, states, nodes, settled):
+        self.sequences = [torch.cat([seq, torch.tensor(new)]) for seq, new in zip(self.sequences, settled, strict=True)]
+
+    def keep(self, rows):
+        self.sequences = [sequence for sequence, kept in zip(self.sequences, rows, strict=True) if kept]

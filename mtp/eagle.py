@@ -105,7 +105,7 @@ class Layer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden)), cached
 
 
-class Eagle(Drafter):
+class Eagle(Drafter, kind="eagle"):
     """The feature-level drafter's weights; `num_heads` is the number of unrolled training steps (decoding drafts
     as deep as its tree asks)."""
 
@@ -143,6 +143,11 @@ class Eagle(Drafter):
             if drafter.lm_head is not None:
                 drafter.lm_head.weight.copy_(base_model.get_output_embeddings().weight[drafter.draft_ids])
         return drafter.to(base_model.dtype)
+
+    @classmethod
+    def from_foreign(cls, folder: Path, raw: dict) -> "Eagle | None":
+        """An EAGLE-3 checkpoint, or vLLM's speculators format (`draft_vocab_size` in its config): `from_eagle3`."""
+        return cls.from_eagle3(folder, raw) if "draft_vocab_size" in raw else None
 
     @classmethod
     def from_eagle3(cls, folder: Path, raw: dict) -> "Eagle":

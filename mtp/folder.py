@@ -1,20 +1,19 @@
 """The folder a drafter is saved in and loaded from: `config.json` (a `HeadsConfig`: the drafter's kind and shape, the
 identity of the base model it was trained for, what `mtp.sizing` chose) and safetensors parts, with an optional peft
 adapter of the base beside them. `Drafter` is what every kind of drafter shares: the folder, and the checks that
-it fits a base model; `mtp.drafters` registers the kinds by `head_type`."""
+it fits a base model; each kind registers itself by its `head_type` (`Drafter.kinds`) as it is defined."""
 
 import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-from mtp.lookup import MAX_NGRAM
 
 # what a heads folder holds (adapter_*: peft's files of a base adapter trained with the heads)
 HEADS_FILES = ["config.json", "model*.safetensors", "medusa_lm_head.*", "README.md", "adapter_*"]
@@ -77,14 +76,10 @@ class HeadsConfig:
             raise ValueError(f"num_heads={self.num_heads}: need at least 1 head.")
         if self.num_layers < 1:
             raise ValueError(f"num_layers={self.num_layers}: need at least 1 residual block per head.")
-        from mtp.drafters import DRAFTERS  # the registry imports the drafters, which import this module
-
-        if self.head_type not in DRAFTERS:
-            raise ValueError(f"head_type={self.head_type!r}: choose one of {sorted(DRAFTERS)}.")
+        if self.head_type not in Drafter.kinds:
+            raise ValueError(f"head_type={self.head_type!r}: choose one of {sorted(Drafter.kinds)}.")
         if self.lm_head not in ("shared", "own"):
             raise ValueError(f"lm_head={self.lm_head!r}: choose 'shared' (the base's frozen lm_head) or 'own'.")
-        if isinstance(self.lookup, int):  # heads sized before lookup lengths depended on the match
-            self.lookup = [self.lookup] * MAX_NGRAM if self.lookup else []
 
     def identity(self) -> str:
         return (
@@ -137,6 +132,19 @@ class Drafter(nn.Module):
 
     config: HeadsConfig
     folder: Path | None = None
+    kinds: ClassVar[dict[str, type["Drafter"]]] = {}
+    """Every kind of drafter by the `head_type` that names it: a subclass defined with `kind=NAME` joins."""
+
+    def __init_subclass__(cls, kind: str | None = None, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if kind is not None:
+            Drafter.kinds[kind] = cls
+
+    @classmethod
+    def from_foreign(cls, folder: Path, raw: dict) -> "Drafter | None":
+        """This kind loaded from a checkpoint another project wrote in `folder` (`raw`: its config.json), or None
+        when it is not in a format this kind reads."""
+        return None
 
     def set_draft_vocab(self, ids: list[int], base_model: PreTrainedModel) -> None:
         """Guess among the token ids `ids` only, from now on (in training and decoding)."""
@@ -203,12 +211,9 @@ class Drafter(nn.Module):
         if not (folder / "config.json").is_file():
             raise FileNotFoundError(f"{folder / 'config.json'} does not exist: point at a folder of heads.")
         raw = json.loads((folder / "config.json").read_text())
-        from mtp.drafters import DRAFTERS
-
-        if "medusa_num_heads" in raw:
-            return DRAFTERS["medusa"].from_faster_decoding(folder, raw)
-        if "draft_vocab_size" in raw:  # an EAGLE-3 checkpoint, or vLLM's speculators format
-            return DRAFTERS["eagle"].from_eagle3(folder, raw)
+        for kind in Drafter.kinds.values():
+            if (foreign := kind.from_foreign(folder, raw)) is not None:
+                return foreign
         files = sorted(folder.glob("model*.safetensors"))
         if not files:
             raise FileNotFoundError(
@@ -219,7 +224,7 @@ class Drafter(nn.Module):
         if unknown:
             raise ValueError(f"{folder / 'config.json'} has unknown keys {sorted(unknown)}: not a heads folder?")
         config = HeadsConfig(**raw)
-        heads = DRAFTERS[config.head_type](config)
+        heads = Drafter.kinds[config.head_type](config)
         heads.folder = folder
         heads.load_state_dict({name: tensor for file in files for name, tensor in load_file(file).items()})
         return heads

@@ -173,17 +173,21 @@ class Heads(Drafter):
         return heads
 
 
-class MedusaHeads(Heads):
+class MedusaHeads(Heads, kind="medusa"):
     """Medusa heads: head k reads the base model's hidden state at t alone, blind to the tokens before its
     target, so one pass of all heads fills the whole tree."""
 
     reads_path = False
 
+    @classmethod
+    def from_foreign(cls, folder: Path, raw: dict) -> "MedusaHeads | None":
+        return cls.from_faster_decoding(folder, raw) if "medusa_num_heads" in raw else None
+
     def state(self, k: int, hidden: torch.Tensor, following: torch.Tensor | None = None) -> torch.Tensor:
         return self.blocks[k](hidden)
 
 
-class HydraHeads(Heads):
+class HydraHeads(Heads, kind="hydra"):
     """Sequentially dependent heads (Hydra, Ankner et al. 2024): head k reads the hidden state at t and the base
     model's input embeddings of the tokens t+1 .. t+k+1 (the true ones in training, the candidate path when
     decoding), mixed by a linear layer that starts as "hidden state only", then residual blocks. A step fills

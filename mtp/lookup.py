@@ -1,7 +1,8 @@
 """Prompt lookup: candidates copied from earlier text. When the last n tokens of the prompt and output occurred
 before, the tokens that followed them then are a guess for the tokens that follow now: right for long runs when
 an answer copies, quotes or edits its prompt, which no head can guess. The decoder hangs them from the root of
-the heads' tree (`mtp.tree.Tree.graft`) and verifies both in the same forward pass.
+the heads' tree (`mtp.tree.Tree.graft`, by `mtp.drafting.LookupProposer`) and verifies both in the same forward
+pass.
 
 A longer match predicts better, so how many tokens are worth verifying depends on it: `Lookup.lengths[n - 1]`
 is the number proposed after a match of n tokens (`mtp.sizing` chooses them from measured acceptance and step
@@ -11,8 +12,6 @@ import argparse
 from dataclasses import dataclass
 
 import torch
-
-from mtp.drafting import Proposer
 
 MAX_NGRAM = 3  # the longest match of `--lookup L` given as one number
 FULL = 10  # a match proposes from its latest occurrence that this many tokens follow (else from its latest)
@@ -53,33 +52,6 @@ class Lookup:
         """The candidates after `ids`: the first lengths[n - 1] tokens of the chain of the longest match."""
         n, chain = self.match(ids)
         return chain[: self.lengths[n - 1]] if n else []
-
-
-class LookupProposer(Proposer):
-    """Prompt lookup over the rows of a batch: each row's text so far (prompt and settled tokens), and the chain of
-    the step's lookup grafted onto each row's tree."""
-
-    name, grafts = "lookup", True
-
-    def __init__(self):
-        self.sequences = []  # per row, (T,) the prompt and every settled token
-
-    def add(self, input_ids, states, root):
-        self.sequences.append(torch.cat([input_ids.cpu(), torch.tensor([root])]))
-
-    def propose(self, plan, trees, tokens, rooms, source):
-        lookup = plan.lookup
-        if lookup is None:
-            return trees, tokens
-        chains = [lookup.propose(sequence)[:room] for sequence, room in zip(self.sequences, rooms, strict=True)]
-        grafts = [tree.graft(row, chain, source) for tree, row, chain in zip(trees, tokens, chains, strict=True)]
-        return [tree for tree, _ in grafts], [row for _, row in grafts]
-
-    def accept(self, states, nodes, settled):
-        self.sequences = [torch.cat([seq, torch.tensor(new)]) for seq, new in zip(self.sequences, settled, strict=True)]
-
-    def keep(self, rows):
-        self.sequences = [sequence for sequence, kept in zip(self.sequences, rows, strict=True) if kept]
 
 
 def add_lookup_arguments(parser: argparse.ArgumentParser) -> None:

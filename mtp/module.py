@@ -13,7 +13,6 @@ from torch.nn import functional as F
 from torchmetrics import MeanMetric, Metric
 
 from mtp.base import DEFAULT_BASE, load_base
-from mtp.drafters import DRAFTERS
 from mtp.folder import Drafter, HeadsConfig, base_identity, weights_fingerprint
 from mtp.loss import IGNORE, default_weights, feature_regression, head_targets, heads_loss, shifted
 
@@ -200,7 +199,7 @@ class HeadsModule(L.LightningModule):
             num_heads=num_heads, num_layers=num_layers, lm_head=lm_head, head_type=head_type,
             feature_layers=feature_layers or [], **identity,
         )  # fmt: skip
-        self.heads = DRAFTERS[config.head_type].new(config, self.base_model)
+        self.heads = Drafter.kinds[config.head_type].new(config, self.base_model)
         if init_heads is not None:
             start = Drafter.from_pretrained(init_heads)
             start.check_base(base_model, self.base_model, tokenizer)

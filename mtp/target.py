@@ -40,7 +40,6 @@ class Target:
                 f"Attention implementation {base_model.config._attn_implementation!r} of "
                 f"{base_model.config.model_type} takes no custom 4D tree mask: load it with attn_implementation='sdpa'."
             )
-        self.model = base_model
         self.backbone = base_model.get_decoder()
         self.lm_head, self.embed = base_model.get_output_embeddings(), base_model.get_input_embeddings()
         self.device, self.dtype = base_model.device, base_model.dtype

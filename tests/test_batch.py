@@ -70,7 +70,7 @@ def test_each_row_of_a_batch_is_its_prompt_decoded_alone(name, heads, tree, toke
 def test_finished_rows_leave_the_batch_and_waiting_prompts_take_their_place(tokenizer, monkeypatch):
     sizes = []  # rows verified by each pass
     step = Batch.step
-    monkeypatch.setattr(Batch, "step", lambda batch: sizes.append(len(batch)) or step(batch))
+    monkeypatch.setattr(Batch, "step", lambda batch: sizes.append(len(batch.rows)) or step(batch))
     model = tiny_model()
     prompts = [tokenizer(prompt, return_tensors="pt").input_ids for prompt in PROMPTS]
     model.generation_config.eos_token_id = reference(model, prompts[1], 5)[4]  # prompt 1 ends after <= 4 tokens

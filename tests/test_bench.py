@@ -9,7 +9,8 @@ from tests.conftest import DATA, ROOT
 from tests.test_stopping import save_random_heads
 
 
-@pytest.mark.parametrize("sampling", [["--lookup", "4", "--repeat", "2"], ["--temperature", "0.7", "--top-p", "0.9", "--seed", "0"]],
+@pytest.mark.parametrize("sampling", [["--lookup", "4", "--repeat", "2"],
+                                      ["--temperature", "0.7", "--top-p", "0.9", "--seed", "0"]],
                          ids=["greedy-lookup", "sampling-heads-alone"])  # fmt: skip
 def test_bench_writes_its_json_and_table_and_finds_no_mismatch(tmp_path, sampling):
     path, _, _ = save_random_heads(tmp_path, "own")

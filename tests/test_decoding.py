@@ -11,8 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from mtp.base import load_tokenizer
 from mtp.cache import GQA_SWITCH, grouped_keys, keep_accepted
 from mtp.decoding import Decoder
-from mtp.drafters import DRAFTERS
-from mtp.folder import HeadsConfig
+from mtp.folder import Drafter, HeadsConfig
 from mtp.heads import MedusaHeads
 from mtp.tree import Tree
 from tests.conftest import TINY_BASE
@@ -79,13 +78,13 @@ def random_heads(model, num_heads=4, seed=1, head_type="medusa"):
     torch.manual_seed(seed)
     config = HeadsConfig(num_heads=num_heads, head_type=head_type, hidden_size=64, vocab_size=model.config.vocab_size,
                          feature_layers=feature_layers(model, head_type))  # fmt: skip
-    heads = DRAFTERS[head_type].new(config, model)
+    heads = Drafter.kinds[head_type].new(config, model)
     for parameter in heads.parameters():
         nn.init.normal_(parameter, std=0.5)
     return heads
 
 
-@pytest.mark.parametrize("head_type", DRAFTERS)
+@pytest.mark.parametrize("head_type", Drafter.kinds)
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral", "phi3", "gpt_neox"])
 def test_random_heads_give_the_base_models_greedy_output(model_type, head_type, tokenizer):
     model = tiny_model(model_type)
@@ -189,7 +188,7 @@ def test_the_cache_after_acceptance_equals_a_causal_run(tokenizer):
         torch.testing.assert_close(ours.values, theirs.values, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("head_type", DRAFTERS)
+@pytest.mark.parametrize("head_type", Drafter.kinds)
 def test_trained_heads_give_the_base_models_greedy_output(tokenizer, tmp_path, head_type):
     import lightning as L
 

@@ -7,10 +7,10 @@ import torch
 import mtp
 import mtp.costs
 from mtp.base import load_tokenizer
+from mtp.batch import Row
 from mtp.costs import fit
 from mtp.decoding import Decoder
 from mtp.heads import MedusaHeads
-from mtp.batch import Row
 from mtp.pacing import MIN_RETURN, RETURN, Candidate, Pacer, Plan
 from mtp.tree import Tree, grow_tree
 from tests.conftest import TINY_BASE

@@ -10,8 +10,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 import mtp.batch
 from mtp.decoding import Decoder
-from mtp.drafters import DRAFTERS
-from mtp.folder import HeadsConfig
+from mtp.folder import Drafter, HeadsConfig
 from mtp.lookup import Lookup
 from mtp.sampling import Sampling
 from mtp.tree import DynamicTree, Tree
@@ -37,7 +36,7 @@ def small_vocab_decoder(seed=0, sliding_window=None, head_type="medusa", lookup=
         model.lm_head.weight.mul_(60)  # sharper next-token distributions than a fresh init's near-uniform ones
     config = HeadsConfig(num_heads=3, lm_head="own", head_type=head_type, hidden_size=16, vocab_size=VOCAB,
                          feature_layers=feature_layers(model, head_type))  # fmt: skip
-    heads = DRAFTERS[head_type].new(config, model)
+    heads = Drafter.kinds[head_type].new(config, model)
     for parameter in heads.parameters():
         torch.nn.init.normal_(parameter, std=0.5)
     return Decoder(model, None, heads.eval(), tree, lookup)

@@ -9,8 +9,7 @@ import torch
 
 import mtp
 from mtp.decoding import Decoder, GenerationResult
-from mtp.drafters import DRAFTERS
-from mtp.folder import HeadsConfig, base_identity
+from mtp.folder import Drafter, HeadsConfig, base_identity
 from mtp.heads import MedusaHeads
 from tests.conftest import ROOT, TINY_BASE
 from tests.test_decoding import PROMPT, TREE, OracleHeads, feature_layers, reference, tiny_model
@@ -122,7 +121,7 @@ def save_random_heads(tmp_path, lm_head="shared", head_type="medusa"):
     identity = base_identity(TINY_BASE, model, tokenizer)
     config = HeadsConfig(num_heads=3, lm_head=lm_head, head_type=head_type, **identity,
                          feature_layers=feature_layers(model, head_type))  # fmt: skip
-    heads = DRAFTERS[head_type].new(config, model)
+    heads = Drafter.kinds[head_type].new(config, model)
     torch.manual_seed(0)
     for parameter in heads.parameters():
         torch.nn.init.normal_(parameter, std=0.3)
@@ -130,7 +129,7 @@ def save_random_heads(tmp_path, lm_head="shared", head_type="medusa"):
     return str(tmp_path / "heads"), model, tokenizer
 
 
-@pytest.mark.parametrize("head_type", DRAFTERS)
+@pytest.mark.parametrize("head_type", Drafter.kinds)
 def test_load_gives_a_lossless_decoder_for_saved_heads(tmp_path, head_type):
     path, model, tokenizer = save_random_heads(tmp_path, "own", head_type)
     decoder = mtp.load(path, tree="medium")
