@@ -2,11 +2,10 @@
 
 import torch
 
-from mtp.base import load_base
 from mtp.costs import candidates, fit
 from mtp.decoding import Decoder, GenerationResult
 from mtp.eagle import Eagle  # the kinds of drafter: each joins `Drafter.kinds` as it is defined
-from mtp.folder import Drafter
+from mtp.folder import Drafter, load_with_base
 from mtp.heads import HydraHeads, MedusaHeads
 from mtp.linears import fast_linears, usual_linears
 from mtp.lookup import Lookup
@@ -47,12 +46,7 @@ def load(
     chose), per prompt as it goes, down to plain decoding where no tree pays. Given ones hold for every step (a
     given lookup beside the tree the heads saved, else the default tree; a given tree beside the lookup they saved).
     """
-    heads = Drafter.from_pretrained(heads_path)
-    name = base_model or heads.config.base_model
-    model, tokenizer = load_base(name, device=device, dtype=dtype)
-    heads.check_base(name, model, tokenizer)
-    model = heads.adapt(model)
-    heads = heads.to(device=device, dtype=dtype).eval()
+    heads, model, tokenizer = load_with_base(heads_path, base_model, device, dtype)
     fast_linears(heads)  # their few rows per step, as the base model's: the product measured fastest here
     config, num_heads = heads.config, heads.config.num_heads
     if tree is None and lookup is None and config.dynamic_tree is None and config.calibration is not None:

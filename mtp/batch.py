@@ -13,11 +13,13 @@ import torch
 from torch.profiler import record_function
 from transformers import DynamicCache
 
+from mtp import acceptance
+from mtp.acceptance import draw
 from mtp.cache import append_rows, grouped_keys, keep_accepted, keep_rows, tree_attention_mask
 from mtp.drafting import Proposer
 from mtp.pacing import Pacer, Plan, Skill
-from mtp.sampling import Sampling, accept_exact, accept_typical, draw
-from mtp.target import Target
+from mtp.sampling import Sampling
+from mtp.target import States, Target
 from mtp.tree import Tree
 
 
@@ -41,27 +43,6 @@ class Row:
         """How deep a tree may grow below the root: a node at max_length - 1 would be past the end, and the last
         token's own guess would only repeat the bonus token of its parent."""
         return max(self.max_length - 2 - self.prefix_len, 0)
-
-
-def accept_greedy(tokens: torch.Tensor, predictions: torch.Tensor, paths: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Along each root-to-leaf path, node d+1 is right iff its token is the base model's prediction at node d; the
-    path with the most leading right nodes wins, and the prediction after its last is the bonus."""
-    children = paths[:, 1:]  # (L, D)
-    right = (children >= 0) & (tokens[children.clamp(min=0)] == predictions[paths[:, :-1].clamp(min=0)])
-    accepted = right.int().cumprod(1).sum(1)  # (L,)
-    best = int(accepted.argmax())
-    nodes = paths[best, : int(accepted[best]) + 1]  # (A+1,)
-    return nodes, int(predictions[nodes[-1]])
-
-
-def accept(tree: Tree, tokens: torch.Tensor, logits: torch.Tensor, sampling: Sampling, generator):
-    """The accepted nodes (A+1,) of one row's tree holding `tokens` (N+1,), root first, and the bonus token, by
-    the base model's `logits` (N+1, V) after each node: greedy, exact or typical acceptance (see `mtp.sampling`)."""
-    if sampling.greedy:
-        return accept_greedy(tokens, logits.argmax(-1), tree.retrieve)
-    if sampling.acceptance == "exact":
-        return accept_exact(tokens.cpu(), tree.children, logits, sampling, generator)
-    return accept_typical(tokens, tree.retrieve, logits, sampling, generator)
 
 
 class Batch:
@@ -125,12 +106,23 @@ class Batch:
 
     @torch.no_grad()
     def step(self) -> list[tuple[list[int], dict[str, int]]]:
-        """One verification pass over every row's tree: per row, the tokens it settles (the accepted candidates
-        and the bonus token) and how many of its accepted candidates each drafter proposed, by name."""
+        """One step over every row: the drafters propose each row's tree by the step's plan, one pass of the base
+        model verifies every tree, each row accepts what the base model would have produced, and the cache and the
+        drafters commit it. Per row: the tokens it settles (the accepted candidates and the bonus token) and how
+        many of its accepted candidates each drafter proposed, by name."""
+        plan = self.pacer.plan(self.rows)
         with record_function("mtp.candidates"):  # the drafters' guesses laid out on each row's tree
-            plan = self.pacer.plan(self.rows)
             trees, tokens = self.propose(plan)
-            size = max(tree.size for tree in trees)  # rows with smaller trees are padded with nodes seen by none
+        states = self.verify(trees, tokens)
+        with record_function("mtp.accept"):
+            nodes, settled = self.accept(trees, tokens, states)
+        return self.commit(plan, trees, states, nodes, settled)
+
+    def verify(self, trees: list[Tree], tokens: list[torch.Tensor]) -> States:
+        """One pass of the base model over every row's tree after its cache, each node at its depth past its row's
+        root and seeing its ancestors only; rows with smaller trees are padded with nodes seen by none."""
+        with record_function("mtp.verify"):
+            size = max(tree.size for tree in trees)
             batch = torch.zeros(len(trees), size, dtype=torch.long, device=self.device)  # (B, Q) tokens
             depths = torch.zeros_like(batch)  # (B, Q)
             mask = torch.eye(size, dtype=torch.bool, device=self.device).repeat(len(trees), 1, 1)  # (B, Q, Q)
@@ -138,22 +130,32 @@ class Batch:
                 batch[b, : tree.size], depths[b, : tree.size] = row_tokens, tree.depths
                 mask[b, : tree.size, : tree.size] = tree.mask
             prefix_lens = torch.tensor([row.prefix_len for row in self.rows], device=self.device)  # (B,)
-            positions = prefix_lens[:, None] + depths  # (B, Q) a node sits at its depth past its row's root
+            positions = prefix_lens[:, None] + depths  # (B, Q)
             attention = tree_attention_mask(mask, positions, self.slots, self.target.windows, self.target.dtype)
-        with record_function("mtp.verify"), grouped_keys(self.device.type == "cpu" and size > 1):  # one base pass
-            states = self.target.run(self.layers, input_ids=batch, position_ids=positions, attention_mask=attention,
-                                     cache=self.cache)  # fmt: skip
-        with record_function("mtp.accept"):
-            logits = self.target.logits(states.last)  # (B, Q, V) the base model's next-token logits after each node
-            accepted = [
-                accept(tree, row_tokens, logits[b, : tree.size], self.sampling, self.generator)
-                for b, (tree, row_tokens) in enumerate(zip(trees, tokens, strict=True))
-            ]
-            nodes = [torch.as_tensor(row_nodes, device=self.device) for row_nodes, _ in accepted]  # (A_b+1,) each
+            with grouped_keys(self.device.type == "cpu" and size > 1):
+                return self.target.run(self.layers, input_ids=batch, position_ids=positions,
+                                       attention_mask=attention, cache=self.cache)  # fmt: skip
+
+    def accept(self, trees: list[Tree], tokens: list[torch.Tensor], states: States):
+        """Each row's accepted nodes (A_b+1,), root first, by the sampling settings' rule (`mtp.acceptance`) on
+        the base model's logits after each node of the pass `states`, and the tokens they settle (the accepted
+        candidates, then the bonus token)."""
+        logits = self.target.logits(states.last)  # (B, Q, V) the base model's next-token logits after each node
+        accepted = [
+            acceptance.accept(tree, row_tokens, logits[b, : tree.size], self.sampling, self.generator)
+            for b, (tree, row_tokens) in enumerate(zip(trees, tokens, strict=True))
+        ]
+        nodes = [torch.as_tensor(row_nodes, device=self.device) for row_nodes, _ in accepted]  # (A_b+1,) each
+        settled = [row_tokens[row_nodes[1:]].tolist() + [bonus] for row_tokens, row_nodes, (_, bonus)
+                   in zip(tokens, nodes, accepted, strict=True)]  # fmt: skip
+        return nodes, settled
+
+    def commit(self, plan: Plan, trees: list[Tree], states: States, nodes: list[torch.Tensor], settled: list):
+        """Keep each row's accepted nodes in the cache (the rest dropped) and hand them to the drafters; each row
+        moves past them and its drafters' skills follow (`Pacer.update`). Returns `step`'s results."""
+        prefix_lens = torch.tensor([row.prefix_len for row in self.rows], device=self.device)  # (B,)
         with record_function("mtp.cache"):
             self.slots = keep_accepted(self.cache, self.slots, nodes, prefix_lens)
-        settled = [row_tokens[row_nodes[1:]].tolist() + [root] for row_tokens, row_nodes, (_, root)
-                   in zip(tokens, nodes, accepted, strict=True)]  # fmt: skip
         with record_function("mtp.drafters"):
             for proposer in self.proposers:
                 proposer.accept(states, nodes, settled)

@@ -12,10 +12,9 @@ import json
 import torch
 from torch.nn import functional as F
 
-from mtp.base import load_base
 from mtp.cli import user_errors
 from mtp.data import add_held_out_arguments, held_out
-from mtp.folder import Drafter
+from mtp.folder import Drafter, load_with_base
 from mtp.module import divergence
 
 
@@ -25,11 +24,9 @@ def drift(heads_path: str, examples: list, prompts: int, max_new_tokens: int, de
     answers to the prompts of the first `prompts` of them, and the counts they are over."""
     from peft import PeftModel
 
-    heads = Drafter.from_pretrained(heads_path)
+    heads, base, tokenizer = load_with_base(heads_path, device=device, adapt=False)
     if not heads.config.adapter:
         raise ValueError(f"{heads_path} has no adapter: these heads decode with the original base, nothing moved.")
-    base, tokenizer = load_base(heads.config.base_model, device)
-    heads.check_base(heads.config.base_model, base, tokenizer)
     model = PeftModel.from_pretrained(base, heads.folder).eval()
     agree = kl = positions = same = 0
     prompts = min(prompts, len(examples))

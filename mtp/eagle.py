@@ -109,7 +109,7 @@ class Eagle(Drafter, kind="eagle"):
     """The feature-level drafter's weights; `num_heads` is the number of unrolled training steps (decoding drafts
     as deep as its tree asks)."""
 
-    reads_path = True
+    exports = ("eagle3", "speculators")  # EAGLE-3's layout (vLLM, SGLang) and vLLM's speculators format
 
     def __init__(self, config: HeadsConfig):
         super().__init__()
@@ -130,6 +130,11 @@ class Eagle(Drafter, kind="eagle"):
         # EAGLE-3's draft vocabulary: draft id i is target id i + d2t[i]; t2d marks the target ids drafted
         self.register_buffer("d2t", draft - torch.arange(len(draft)))
         self.register_buffer("t2d", torch.zeros(vocab, dtype=torch.bool).index_fill_(0, draft, True))
+
+    @classmethod
+    def default_layers(cls, depth: int) -> list[int]:
+        """EAGLE-3's: a low, a middle and a high layer (the last one alone for a base of fewer than 6)."""
+        return [2, depth // 2, depth - 3] if depth >= 6 else [depth]
 
     @classmethod
     def new(cls, config: HeadsConfig, base_model: PreTrainedModel) -> "Eagle":
@@ -226,8 +231,6 @@ class Eagle(Drafter, kind="eagle"):
             self.lm_head = nn.Linear(*weight.shape[::-1], bias=False, device=weight.device, dtype=weight.dtype)
             self.lm_head.weight.data.copy_(weight)
 
-    max_depth = None  # it drafts as deep as a tree asks
-
     def proposer(self, target: Target, cut: dict) -> "EagleProposer":
         """This drafter over the rows of a batch (see `mtp.drafting`), on the trees of each step's plan."""
         return EagleProposer(self, target, cut)
@@ -239,7 +242,10 @@ class Eagle(Drafter, kind="eagle"):
 
     def logits(self, features: torch.Tensor, base_lm_head: nn.Module) -> torch.Tensor:
         """Draft-vocabulary logits (..., D) of the drafter's output features (..., H)."""
-        normed = self.norm(features)
+        return self._project(self.norm(features), base_lm_head)
+
+    def _project(self, normed: torch.Tensor, base_lm_head: nn.Module) -> torch.Tensor:
+        """Draft-vocabulary logits (..., D) of normed output features (..., H)."""
         if self.lm_head is not None:
             return self.lm_head(normed)
         return normed @ self._rows(base_lm_head).T
@@ -252,15 +258,12 @@ class Eagle(Drafter, kind="eagle"):
             self._rows_key, self._rows_cache = key, weight[self.draft_ids].detach()
         return self._rows_cache
 
-    def teacher_forced(self, hidden, features, input_ids, keep, base_lm_head, embed) -> torch.Tensor:
-        """Training: the draft logits (K, N, D) of `forced`'s outputs. `hidden` is unused."""
-        return self.logits(self.forced(features, input_ids, keep, embed), base_lm_head)  # (K, N, D)
-
-    def forced(self, features, input_ids, keep, embed) -> torch.Tensor:
-        """Training: the output features (K, N, H) of the K unrolled steps, step k where head k of Medusa heads
-        would be (at position t, the last true feature of its chain, for token t + k + 2), at the N positions `keep`
-        (B, T) marks; features (B, T, F) the base model's features, input_ids (B, T)."""
-        return self._aligned(features, input_ids, embed)[:, keep]
+    def teacher_forced(self, hidden, features, input_ids, keep, base_lm_head, embed) -> tuple[torch.Tensor, ...]:
+        """The draft logits (K, N, D) of the K unrolled steps and their normed output features (K, N, H), step k
+        where head k of Medusa heads would be (at position t, the last true feature of its chain, for token
+        t + k + 2); `hidden` is unused."""
+        normed = self.norm(self._aligned(features, input_ids, embed)[:, keep])  # (K, N, H)
+        return self._project(normed, base_lm_head), normed
 
     def path_guesses(self, hidden, features, input_ids, base_lm_head, embed, k: int) -> torch.Tensor:
         """Target ids of every step's top-k guesses at every position of one sequence, unrolled along the true

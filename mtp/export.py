@@ -49,23 +49,23 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from mtp.base import load_base
 from mtp.cli import user_errors
-from mtp.folder import Drafter
+from mtp.folder import Drafter, load_with_base
 from mtp.tree import DynamicTree
+
+
+def check_layout(drafter: Drafter, layout: str) -> None:
+    """Raise unless `drafter`'s kind exports to `layout` (`Drafter.exports`), naming the layouts it does."""
+    if layout not in drafter.exports:
+        others = " or ".join(f"--to {name}" for name in drafter.exports)
+        fix = f"export them with {others}" if others else "decode them with mtp (--to hub uploads their folder)"
+        raise ValueError(f"{drafter.config.head_type} drafters do not fit the {layout} layout: {fix}.")
 
 
 def to_vllm(heads: Drafter, base_lm_head: torch.Tensor, out: str | Path) -> Path:
     """Write `heads` in vLLM's Medusa layout into `out`; `base_lm_head` (V, H): the base model's lm_head weight."""
     config = heads.config
-    if config.head_type == "eagle":
-        raise ValueError("A feature-level drafter is served as EAGLE-3 drafters are: export it with --to eagle3 "
-                         "(vLLM and SGLang) or --to speculators (vLLM).")  # fmt: skip
-    if heads.reads_path:
-        raise ValueError(
-            f"{config.head_type} heads read the candidate path, which vLLM's Medusa model cannot give them: "
-            f"export Medusa heads (head_type: medusa), or decode these with mtp."
-        )
+    check_layout(heads, "vllm")
     if config.adapter:
         raise ValueError(
             "These heads decode with their base model adapted (a LoRA adapter beside them), and vLLM's Medusa "
@@ -106,10 +106,7 @@ def to_eagle3(drafter: Drafter, base_model, out: str | Path, speculators: bool =
     """Write a feature-level drafter in EAGLE-3's layout (or, with `speculators`, vLLM's speculators format) into
     `out`; `base_model`: the base it drafts for (its lm_head rows, its architecture)."""
     config = drafter.config
-    if config.head_type != "eagle":
-        hint = "export Medusa heads with --to vllm" if config.head_type == "medusa" else "decode them with mtp"
-        raise ValueError(f"{config.head_type} heads are not a feature-level drafter, the only kind EAGLE-3's layout "
-                         f"holds: {hint}, or train one with --model.head_type eagle.")  # fmt: skip
+    check_layout(drafter, "speculators" if speculators else "eagle3")
     if config.adapter:
         raise ValueError("This drafter decodes with its base model adapted (a LoRA adapter beside it); the engines "
                          "serve a drafter beside an unchanged base: decode it with mtp.")  # fmt: skip
@@ -238,9 +235,7 @@ def main() -> None:
     if args.to == "hub":
         print(f"Uploaded {args.heads} to {to_hub(args.heads, args.repo, args.data, args.tau, args.private)}")
         return
-    heads = Drafter.from_pretrained(args.heads)
-    model, tokenizer = load_base(heads.config.base_model, fast=False)
-    heads.check_base(heads.config.base_model, model, tokenizer)
+    heads, model, _ = load_with_base(args.heads, fast=False, adapt=False)
     if args.to == "vllm":
         print(f"Wrote vLLM Medusa heads to {to_vllm(heads, model.get_output_embeddings().weight, args.out)}")
     else:

@@ -6,6 +6,7 @@ it fits a base model; each kind registers itself by its `head_type` (`Drafter.ki
 import hashlib
 import json
 import re
+from abc import ABCMeta, abstractmethod
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar
@@ -14,6 +15,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from mtp.base import load_base
+from mtp.drafting import Proposer
+from mtp.target import Target
 
 # what a heads folder holds (adapter_*: peft's files of a base adapter trained with the heads)
 HEADS_FILES = ["config.json", "model*.safetensors", "medusa_lm_head.*", "README.md", "adapter_*"]
@@ -76,8 +81,7 @@ class HeadsConfig:
             raise ValueError(f"num_heads={self.num_heads}: need at least 1 head.")
         if self.num_layers < 1:
             raise ValueError(f"num_layers={self.num_layers}: need at least 1 residual block per head.")
-        if self.head_type not in Drafter.kinds:
-            raise ValueError(f"head_type={self.head_type!r}: choose one of {sorted(Drafter.kinds)}.")
+        Drafter.of_kind(self.head_type)
         if self.lm_head not in ("shared", "own"):
             raise ValueError(f"lm_head={self.lm_head!r}: choose 'shared' (the base's frozen lm_head) or 'own'.")
 
@@ -127,18 +131,62 @@ def from_hub(repo_id: str) -> Path:
         ) from error
 
 
-class Drafter(nn.Module):
-    """A drafter's weights and its `config`; `folder` is where it was loaded from (None for a new one)."""
+class Drafter(nn.Module, metaclass=ABCMeta):
+    """A drafter: its weights, its `config` and the folder it was loaded from (`folder`; None for a new one), and
+    all that training (`mtp.module`), sizing (`mtp.sizing`), decoding (`mtp.decoding`) and export (`mtp.export`)
+    know of it: none of them names a kind. A kind subclasses this with `kind=NAME`, the `head_type` that names it
+    in configs, and joins `kinds`; it defines `new`, `teacher_forced`, `path_guesses` and `proposer`, and where it
+    differs, `default_layers`, `max_depth`, `exports`, `from_foreign` and `set_draft_vocab`."""
 
     config: HeadsConfig
     folder: Path | None = None
     kinds: ClassVar[dict[str, type["Drafter"]]] = {}
-    """Every kind of drafter by the `head_type` that names it: a subclass defined with `kind=NAME` joins."""
+    """Every kind of drafter by the `head_type` that names it."""
+    max_depth: int | None = None
+    """The deepest node of a tree it can fill (None: as deep as a tree asks)."""
+    exports: ClassVar[tuple[str, ...]] = ()
+    """The layouts other engines serve it in (`mtp.export --to`; every kind goes to the Hub as it is)."""
 
     def __init_subclass__(cls, kind: str | None = None, **kwargs):
         super().__init_subclass__(**kwargs)
         if kind is not None:
             Drafter.kinds[kind] = cls
+
+    @staticmethod
+    def of_kind(head_type: str) -> type["Drafter"]:
+        """The kind of drafter `head_type` names."""
+        if head_type not in Drafter.kinds:
+            raise ValueError(f"head_type={head_type!r}: choose one of {sorted(Drafter.kinds)}.")
+        return Drafter.kinds[head_type]
+
+    @classmethod
+    def default_layers(cls, depth: int) -> list[int]:
+        """The base model's hidden states it reads beside the last (`HeadsConfig.feature_layers`) unless told,
+        for a base of `depth` decoder layers."""
+        return []
+
+    @classmethod
+    @abstractmethod
+    def new(cls, config: HeadsConfig, base_model: PreTrainedModel) -> "Drafter":
+        """A new drafter of this shape for `base_model`, before training."""
+
+    @abstractmethod
+    def teacher_forced(self, hidden, features, input_ids, keep, base_lm_head, embed) -> tuple[torch.Tensor, ...]:
+        """Training, at the N positions `keep` (B, T) marks: the logits (K, N, V) of its K steps, step k guessing
+        token t + k + 2 (over the draft vocabulary, (K, N, D), when it has one), and the states (K, N, H) that its
+        vocabulary projection reads. hidden (B, T, H): the base model's last hidden states; features (B, T, L H):
+        its hidden states at `config.feature_layers`; input_ids (B, T): the true tokens, which a drafter that reads
+        the path reads; embed and base_lm_head: the base model's input embedding and lm_head."""
+
+    @abstractmethod
+    def path_guesses(self, hidden, features, input_ids, base_lm_head, embed, k: int) -> torch.Tensor:
+        """Sizing: the target ids of every step's top-k guesses at every position of one sequence, along its true
+        tokens: hidden (T, H), features (T, L H), input_ids (T,) -> (K, T, k)."""
+
+    @abstractmethod
+    def proposer(self, target: Target, cut: dict) -> Proposer:
+        """Decoding: this drafter over the rows of a batch (see `mtp.drafting`), on the trees of each step's plan
+        (`cut`: the static trees cut so far, kept by the caller across batches)."""
 
     @classmethod
     def from_foreign(cls, folder: Path, raw: dict) -> "Drafter | None":
@@ -228,3 +276,20 @@ class Drafter(nn.Module):
         heads.folder = folder
         heads.load_state_dict({name: tensor for file in files for name, tensor in load_file(file).items()})
         return heads
+
+
+def load_with_base(
+    folder: str | Path, base_model: str | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32,
+    fast: bool = True, adapt: bool = True,
+) -> tuple[Drafter, PreTrainedModel, PreTrainedTokenizerBase]:  # fmt: skip
+    """The drafter in `folder` and the base it was trained for, checked to fit it, both on `device` in `dtype`:
+    (drafter, base model, tokenizer). `base_model`: load that base instead of the one the drafter names (a local
+    copy of it); `fast`: the base's linear products as `mtp.base.load_base` takes them; `adapt`: with the adapter
+    trained beside the drafter merged into the base (`Drafter.adapt`), the verifier it decodes with."""
+    drafter = Drafter.from_pretrained(folder)
+    name = base_model or drafter.config.base_model
+    model, tokenizer = load_base(name, device=device, dtype=dtype, fast=fast)
+    drafter.check_base(name, model, tokenizer)
+    if adapt:
+        model = drafter.adapt(model)
+    return drafter.to(device=device, dtype=dtype).eval(), model, tokenizer

@@ -66,16 +66,16 @@ class Heads(Drafter):
         """These heads drafting over the rows of a batch (see `mtp.drafting`), on the trees of each step's plan."""
         return HeadsProposer(self, target, cut)
 
-    def teacher_forced(self, hidden, features, input_ids, keep, base_lm_head, embed) -> torch.Tensor:
-        """Training: every head's logits (K, N, V), or (K, N, D) over the draft vocabulary, at the N positions
-        `keep` (B, T) marks, reading the true tokens where a kind reads the path; hidden (B, T, H) the base
-        model's last hidden states, input_ids (B, T); `features` is unused (no layers but the last)."""
+    def teacher_forced(self, hidden, features, input_ids, keep, base_lm_head, embed) -> tuple[torch.Tensor, ...]:
+        """Every head's logits and states (see `Drafter.teacher_forced`), heads that read the path reading the true
+        tokens; `features` is unused (no layers but the last)."""
         following = None  # (N, K, H) the input embeddings of the true tokens t+1 .. t+K, for heads that read them
         if self.reads_path:
             following = embed(following_tokens(input_ids, self.config.num_heads)[keep])
+        states = self._states(hidden[keep], following, 0, self.config.num_heads)  # (K, N, H)
         if self.config.draft_vocab is None:
-            return self(hidden[keep], base_lm_head, following=following)
-        return self.draft_logits(hidden[keep], base_lm_head, following=following)
+            return self._project(states, base_lm_head), states
+        return self._draft_project(states, base_lm_head), states
 
     def path_guesses(self, hidden, features, input_ids, base_lm_head, embed, k: int) -> torch.Tensor:
         """Token ids of every head's top-k guesses at every position of one sequence, heads that read the path
@@ -107,10 +107,13 @@ class Heads(Drafter):
         """Logits over the draft vocabulary only (column n: token `draft_vocab[n]`) of heads first ..
         first+num_heads-1 (default: all from first): hidden (..., H) -> (K, ..., N)."""
         last = self.config.num_heads if num_heads is None else first + num_heads
-        states = self._states(hidden, following, first, last)  # (K, ..., H)
+        return self._draft_project(self._states(hidden, following, first, last), base_lm_head, first)
+
+    def _draft_project(self, states: torch.Tensor, base_lm_head: nn.Module, first: int = 0) -> torch.Tensor:
+        """Draft-vocabulary logits of heads first .. first+K-1 from their states: (K, ..., H) -> (K, ..., N)."""
         _, weights = self._draft_rows(base_lm_head)  # (K or 1, N, H)
         flat = states.flatten(1, -2) if states.dim() > 2 else states[:, None]  # (K, M, H)
-        rows = weights if self.projections is None else weights[first:last]  # shared rows broadcast over heads
+        rows = weights if self.projections is None else weights[first : first + len(states)]  # shared: broadcast
         return (flat @ rows.mT).view(*states.shape[:-1], -1)  # (K, ..., N)
 
     def _states(self, hidden: torch.Tensor, following, first: int, last: int) -> torch.Tensor:
@@ -178,6 +181,7 @@ class MedusaHeads(Heads, kind="medusa"):
     target, so one pass of all heads fills the whole tree."""
 
     reads_path = False
+    exports = ("vllm",)  # vLLM's Medusa model: heads that read the hidden state alone
 
     @classmethod
     def from_foreign(cls, folder: Path, raw: dict) -> "MedusaHeads | None":

@@ -152,15 +152,15 @@ class HeadsModule(L.LightningModule):
             lora: train LoRA adapters of the base model with the heads (see `Lora`); None: the base stays frozen.
             init_heads: start from the heads in this folder, of the same kind and base, and their draft vocabulary
                 (for example frozen-base heads, trained on with `lora`: Medusa-2's two stages).
-            feature_layers: for `eagle`: the base model's hidden states it reads (0: the input embeddings, i: the
-                output of decoder layer i - 1); default: a low, a middle and a high one, 2, L // 2 and L - 3 of L
-                layers, as EAGLE-3 reads them.
+            feature_layers: the base model's hidden states the drafter reads beside the last (0: the input
+                embeddings, i: the output of decoder layer i - 1); default: its kind's (`Drafter.default_layers`;
+                `eagle`: a low, a middle and a high one, 2, L // 2 and L - 3 of L layers, as EAGLE-3 reads them).
             feature_noise: for `eagle`: standard deviation of the Gaussian noise added to the base model's features
                 in training (0: none), so that the drafter learns to read imperfect ones, as it must its own.
             cache_dtype: `float32` or `bfloat16` (half the memory) for the hidden states `cache_hidden` keeps.
-            feature_loss: for `eagle`: the weight of a feature regression added to the loss (0: none): the smooth-L1
-                distance between each unrolled step's normed output and the base model's last hidden state that
-                scores the same token (what the base's lm_head reads), as EAGLE trains its features.
+            feature_loss: the weight of a feature regression added to the loss (0: none): the smooth-L1 distance
+                between the state each step projects (`eagle`: its normed output) and the base model's last hidden
+                state that scores the same token (what the base's lm_head reads), as EAGLE trains its features.
         """
         super().__init__()
         if isinstance(lora, dict):  # from a checkpoint's hyperparameters
@@ -174,9 +174,8 @@ class HeadsModule(L.LightningModule):
         self.weights = weights
         if draft_vocab < 0:
             raise ValueError(f"draft_vocab={draft_vocab}: use 0 (the whole vocabulary) or a number of tokens.")
-        if feature_loss < 0 or (feature_loss and head_type != "eagle"):
-            raise ValueError(f"feature_loss={feature_loss}: a weight >= 0, for head_type eagle only (the drafter that "
-                             f"outputs features); set 0 for {head_type} heads.")  # fmt: skip
+        if feature_loss < 0:
+            raise ValueError(f"feature_loss={feature_loss}: give a weight >= 0 (0: no feature regression).")
         if cache_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"cache_dtype={cache_dtype!r}: choose 'float32' or 'bfloat16'.")
         if lora is not None and cache_hidden:
@@ -188,8 +187,8 @@ class HeadsModule(L.LightningModule):
         self.base_model.requires_grad_(False)
         identity = base_identity(base_model, self.base_model, tokenizer)
         depth = self.base_model.config.get_text_config(decoder=True).num_hidden_layers
-        if head_type == "eagle" and feature_layers is None:
-            feature_layers = [2, depth // 2, depth - 3] if depth >= 6 else [depth]
+        if feature_layers is None:
+            feature_layers = Drafter.of_kind(head_type).default_layers(depth)
         if feature_layers and not all(0 <= i <= depth for i in feature_layers):
             raise ValueError(
                 f"feature_layers {feature_layers}: this base model has {depth} decoder layers; choose hidden states "
@@ -274,11 +273,7 @@ class HeadsModule(L.LightningModule):
         lm_head, num_heads = self.base_model.get_output_embeddings(), len(self.weights)
         embed = self.base_model.get_input_embeddings()
         # (K, N, V), or (K, N, D): the heads learn to rank the draft tokens only, as they will when decoding
-        if self.hparams.feature_loss:  # eagle: its output features (K, N, H) are regressed too
-            outputs = self.heads.forced(features, batch["input_ids"], keep, embed)
-            logits = self.heads.logits(outputs, lm_head)
-        else:
-            logits = self.heads.teacher_forced(hidden, features, batch["input_ids"], keep, lm_head, embed)
+        logits, outputs = self.heads.teacher_forced(hidden, features, batch["input_ids"], keep, lm_head, embed)
         draft = self.heads.config.draft_vocab
         scored = targets if draft is None else draft_columns(targets, draft, self.heads.config.vocab_size)  # (K, N)
         # (K, N, H) the base model's last hidden state at t+k+1, which scores token t+k+2; a target, not a path for
@@ -293,7 +288,7 @@ class HeadsModule(L.LightningModule):
         loss, per_head = heads_loss(logits, targets if teacher is not None else scored, self.weights, teacher)
         batch_size = batch["input_ids"].shape[0]
         if self.hparams.feature_loss:
-            regression = feature_regression(self.heads.norm(outputs), before, targets, self.weights)
+            regression = feature_regression(outputs, before, targets, self.weights)
             loss = loss + self.hparams.feature_loss * regression
             self.log(f"{stage}/feature_loss", regression, batch_size=batch_size, sync_dist=stage == "val")
         lora = self.lora

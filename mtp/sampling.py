@@ -1,22 +1,5 @@
-"""Sampling settings and the rules that accept sampled candidates from the tree.
-
-Exact acceptance (the default) keeps the base model's output distribution. At a tree node whose processed
-target distribution is p (the base model's next-token distribution after temperature, top-k and top-p), the
-node's children x1, x2, ... (the heads' top guesses, in rank order, fixed before the base model ran) are tried
-in turn: child xj is accepted with probability p(xj) (p renormalised after each rejection, with the rejected
-token's mass set to 0), which makes the walk one draw from p without replacement. The chance to emit xj is
-(1 - p(x1) - ... - p(xj-1)) * p(xj) / (1 - p(x1) - ... - p(xj-1)) = p(xj), and a token y that is no child is
-emitted, after every child is rejected, with (1 - sum of the children's p) * p(y) / (1 - sum of the children's
-p) = p(y). So every emitted token has exactly p's distribution, whatever the heads guessed. An accepted child
-is then a node whose own p the same verification pass computed (with the child in its context), and the walk
-goes on from there; at a leaf, the bonus token is drawn from the leaf's p.
-
-Typical acceptance (Medusa's rule, opt-in) accepts a candidate x if q(x) > min(epsilon, delta * exp(-H(q)))
-at its parent, with q = softmax(logits / T) (top-k and top-p play no part in it) and H(q) its entropy; of the
-longest such paths it keeps the one with the highest summed log q of its candidates, and draws the next token
-from the processed p at the path's last node. It is faster on flat distributions, but it does NOT keep the base
-model's distribution: the output is a different, if plausible, sample.
-"""
+"""Sampling settings: temperature, top-k, top-p, the acceptance rule and the seed, and the distribution they make
+of the base model's logits (`Sampling.probabilities`). The rules that accept candidates: `mtp.acceptance`."""
 
 import argparse
 from dataclasses import dataclass
@@ -80,60 +63,6 @@ class Sampling:
             probs = probs.masked_fill(drop, 0)
             probs = probs / probs.sum(-1, keepdim=True)
         return probs
-
-
-def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """A token drawn from `probs` (V,)."""
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def coin(probability: float, generator: torch.Generator) -> bool:
-    """True with `probability`."""
-    return float(torch.rand((), generator=generator)) < probability
-
-
-def accept_exact(tokens: torch.Tensor, children: list[list[int]], logits, sampling: Sampling, generator):
-    """The walk in the module docstring: returns (accepted nodes from the root, next token).
-
-    Args:
-        tokens: (N+1,) the tree's tokens (on the CPU).
-        children: children[i], node i's children in rank order.
-        logits: (N+1, V) the base model's next-token logits after each node; a node's distribution is computed
-            only once the walk reaches it.
-    """
-    nodes = [0]
-    p = sampling.probabilities(logits[0]).cpu()
-    while True:
-        for child in children[nodes[-1]]:
-            x = int(tokens[child])
-            if coin(float(p[x]), generator):
-                nodes.append(child)
-                p = sampling.probabilities(logits[child]).cpu()
-                break
-            p[x] = 0  # p is this walk's own tensor, fresh from `probabilities`: changed in place
-            p /= p.sum()
-        else:  # every child rejected, or a leaf
-            return nodes, draw(p, generator)
-
-
-def accept_typical(tokens, paths, logits, sampling: Sampling, generator):
-    """Medusa's typical acceptance (module docstring): returns (accepted nodes from the root, next token).
-
-    Args:
-        tokens: (N+1,) the tree's tokens; paths: (L, D+1) retrieve indices (-1 padded), on the logits' device.
-        logits: (N+1, V) the base model's next-token logits after each node.
-    """
-    q = (logits.float() / sampling.temperature).softmax(-1)  # (N+1, V)
-    entropy = -(q * q.clamp(min=1e-30).log()).sum(-1)  # (N+1,)
-    threshold = torch.clamp(sampling.delta * torch.exp(-entropy), max=sampling.epsilon)  # (N+1,)
-    parents, children = paths[:, :-1].clamp(min=0), paths[:, 1:]  # (L, D)
-    likelihood = q[parents, tokens[children.clamp(min=0)]]  # (L, D) each candidate's q at its parent
-    accepted = ((children >= 0) & (likelihood > threshold[parents])).int().cumprod(1)  # (L, D) leading accepted
-    lengths = accepted.sum(1)  # (L,)
-    score = (accepted * likelihood.clamp(min=1e-30).log()).sum(1)  # (L,) summed log q of the accepted candidates
-    best = int(score.masked_fill(lengths < lengths.max(), float("-inf")).argmax())  # the likeliest longest path
-    nodes = paths[best, : int(lengths[best]) + 1].tolist()
-    return nodes, draw(sampling.probabilities(logits[nodes[-1]]).cpu(), generator)
 
 
 GREEDY = Sampling()

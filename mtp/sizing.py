@@ -29,12 +29,11 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from mtp.base import load_base
 from mtp.cli import user_errors
 from mtp.costs import SIZES, machine_key, measure_steps, step_costs, timed, timed_sizes
 from mtp.data import add_held_out_arguments, held_out
 from mtp.decoding import Decoder
-from mtp.folder import Drafter
+from mtp.folder import Drafter, load_with_base
 from mtp.lookup import FULL, MAX_NGRAM, Lookup
 from mtp.machine import measured
 from mtp.pacing import Candidate, Plan
@@ -213,16 +212,13 @@ def expected_speedups(heads_path: str, device: str = "cpu", dtype: torch.dtype =
     `held_out` (answers of the base model to prompts the heads did not train on, as (ids, mask, ...)), decoding
     them is simulated (`simulate`) for every size with the heads alone (`measured`) and beside the best lookup
     lengths (`lookup`), and the best of those chooses the size and `chosen_lookup`."""
-    heads = Drafter.from_pretrained(heads_path)
+    heads, model, tokenizer = load_with_base(heads_path, device=device, dtype=dtype)
     if heads.config.calibration is None:
         raise ValueError(
             f"{heads_path} has no calibration (rank accuracies): train with a validation split "
             f"(data.val_fraction > 0); the last validation run records them."
         )
     paths, expected = grow_tree(heads.config.calibration, max_nodes)
-    model, tokenizer = load_base(heads.config.base_model, device=device, dtype=dtype)
-    heads.check_base(heads.config.base_model, model, tokenizer)
-    model, heads = heads.adapt(model), heads.to(device=device, dtype=dtype).eval()
     key = machine_key(model, heads, context)
     name = f"{key} | sizes {timed_sizes(paths, 1)}"
     timed_costs = measured("step_seconds.json", name, lambda: measure_steps(model, tokenizer, heads, paths, context),

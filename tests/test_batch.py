@@ -16,10 +16,18 @@ from mtp.lookup import Lookup
 from mtp.pacing import Pacer, Plan
 from mtp.sampling import Sampling
 from mtp.tree import DynamicTree, Tree
-from tests.conftest import TINY_BASE
-from tests.test_decoding import TREE, OracleHeads, random_heads, reference, tiny_model
-from tests.test_sampling import chi_square_z, exact_joint, small_vocab_decoder
-from tests.test_sliding_window import SLIDING
+from tests.conftest import (
+    SLIDING,
+    TINY_BASE,
+    TREE,
+    OracleHeads,
+    chi_square_z,
+    exact_joint,
+    random_heads,
+    reference,
+    small_vocab_decoder,
+    tiny_model,
+)
 
 # prompts of 1 to 12 tokens: rows of different lengths share the cache from the first step
 PROMPTS = ["Count from 3 to 40: 3, 4, 5, 6,", "Hi", "The quick brown fox jumps over the lazy dog", "a b a b a b a"]

@@ -5,8 +5,7 @@ import sys
 import pytest
 
 from mtp.bench import markdown, summarise
-from tests.conftest import DATA, ROOT
-from tests.test_stopping import save_random_heads
+from tests.conftest import DATA, ROOT, save_random_heads
 
 
 @pytest.mark.parametrize("sampling", [["--lookup", "4", "--repeat", "2"],

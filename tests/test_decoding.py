@@ -1,12 +1,10 @@
 """Tree decoding is lossless: greedy output equals the base model's own greedy output, token for token."""
 
 import os
-import types
 
 import pytest
 import torch
-from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers import DynamicCache
 
 from mtp.base import load_tokenizer
 from mtp.cache import GQA_SWITCH, grouped_keys, keep_accepted
@@ -14,74 +12,12 @@ from mtp.decoding import Decoder
 from mtp.folder import Drafter, HeadsConfig
 from mtp.heads import MedusaHeads
 from mtp.tree import Tree
-from tests.conftest import TINY_BASE
-
-PROMPT = "Count from 3 to 40: 3, 4, 5, 6,"
-TREE = Tree.from_paths([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)])
-
-
-def tiny_model(model_type="llama", eos=None, seed=0, **overrides):
-    """A random 2-layer model of `model_type` over the tiny tokenizer; eos=None so runs cannot stop early."""
-    config = AutoConfig.for_model(model_type, **{
-        "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512, "eos_token_id": eos,
-        "bos_token_id": None, "pad_token_id": 0, **overrides,
-    })  # fmt: skip
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    model.generation_config.eos_token_id = eos
-    return model
+from tests.conftest import PROMPT, TINY_BASE, TREE, OracleHeads, random_heads, reference, tiny_model
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
     return load_tokenizer(TINY_BASE)
-
-
-def reference(model, input_ids, max_new_tokens):
-    """The base model's own greedy continuation (min_new_tokens: no early stop whatever the config says; an
-    explicit attention mask, else generate masks prompt tokens equal to the pad token, <|im_end|> in ChatML)."""
-    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-                         min_new_tokens=max_new_tokens, do_sample=False)  # fmt: skip
-    return out[0, input_ids.shape[1] :].tolist()
-
-
-class OracleHeads(MedusaHeads):
-    """Heads that know the future: they look up which position of which reference causal run (one per prompt) the
-    given hidden state belongs to and put all their mass on the true tokens t+2 .. t+K+1 (laid out on the tree as
-    Medusa heads')."""
-
-    def __init__(self, model, sequence: torch.Tensor | list[torch.Tensor], num_heads: int):
-        nn.Module.__init__(self)  # no weights: the guesses come from the reference runs
-        self.sequences = [sequence] if isinstance(sequence, torch.Tensor) else sequence
-        with torch.no_grad():
-            self.hidden = [model.get_decoder()(input_ids=s[None]).last_hidden_state[0] for s in self.sequences]
-        self.vocab, self.config = model.config.vocab_size, types.SimpleNamespace(num_heads=num_heads)
-
-    def guess(self, hidden, following, head, k, lm_head):
-        logits = torch.zeros(*hidden.shape[:-1], self.vocab)  # (B, 1, V): all but the true token equally unlikely
-        for b, state in enumerate(hidden.flatten(0, -2)):  # the closest hidden state of every reference run
-            run, t = min(((r, int(d.argmin()), float(d.min())) for r, d in enumerate(
-                (h - state).abs().amax(-1) for h in self.hidden)), key=lambda found: found[2])[:2]  # fmt: skip
-            if t + head + 2 < len(self.sequences[run]):
-                logits.view(-1, self.vocab)[b, self.sequences[run][t + head + 2]] = 20.0
-        logp, best = logits.log_softmax(-1).topk(k, dim=-1)
-        return best, logp  # (B, 1, k) twice
-
-
-def feature_layers(model, head_type: str) -> list[int]:
-    """What a drafter of `head_type` reads of `model`: for `eagle`, every decoder layer's output."""
-    return list(range(1, model.config.num_hidden_layers + 1)) if head_type == "eagle" else []
-
-
-def random_heads(model, num_heads=4, seed=1, head_type="medusa"):
-    torch.manual_seed(seed)
-    config = HeadsConfig(num_heads=num_heads, head_type=head_type, hidden_size=64, vocab_size=model.config.vocab_size,
-                         feature_layers=feature_layers(model, head_type))  # fmt: skip
-    heads = Drafter.kinds[head_type].new(config, model)
-    for parameter in heads.parameters():
-        nn.init.normal_(parameter, std=0.5)
-    return heads
 
 
 @pytest.mark.parametrize("head_type", Drafter.kinds)

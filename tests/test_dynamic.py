@@ -7,14 +7,13 @@ from transformers import DynamicCache
 
 from mtp.base import load_tokenizer
 from mtp.decoding import Decoder
-from mtp.drafters import DRAFTERS
 from mtp.drafting import TreeProposer
+from mtp.folder import Drafter
 from mtp.lookup import Lookup
 from mtp.pacing import Plan
 from mtp.target import Target
 from mtp.tree import DynamicTree, named_tree
-from tests.conftest import TINY_BASE
-from tests.test_decoding import PROMPT, OracleHeads, random_heads, reference, tiny_model
+from tests.conftest import PROMPT, TINY_BASE, OracleHeads, random_heads, reference, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +76,7 @@ def test_a_row_without_room_gets_the_root_alone():
     assert trees[0].size == 1 and tokens[0].tolist() == [4]
 
 
-@pytest.mark.parametrize("head_type", DRAFTERS)
+@pytest.mark.parametrize("head_type", Drafter.kinds)
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral", "phi3", "gpt_neox"])
 def test_random_drafters_on_dynamic_trees_give_the_base_models_greedy_output(model_type, head_type, tokenizer):
     model = tiny_model(model_type)

@@ -14,9 +14,7 @@ from mtp.folder import Drafter
 from mtp.module import HeadsModule
 from mtp.rows import read_rows, to_example
 from mtp.tree import Tree
-from tests.conftest import TINY_BASE, TINY_CHAT
-from tests.test_decoding import PROMPT, random_heads, reference, tiny_model
-from tests.test_module import trainer
+from tests.conftest import PROMPT, TINY_BASE, TINY_CHAT, random_heads, reference, tiny_model, trainer
 
 
 @pytest.fixture(scope="module")
@@ -168,8 +166,12 @@ def test_the_feature_loss_regresses_each_steps_output_onto_the_base_state_that_s
     torch.testing.assert_close(with_regression - module.training_step(collate(examples), 0), scale * expected)
 
 
-def test_the_feature_loss_is_for_the_feature_level_drafter_only():
-    with pytest.raises(ValueError, match="head_type eagle only"):
-        HeadsModule(TINY_BASE, head_type="hydra", num_heads=2, feature_loss=1.0)
+@torch.no_grad()
+def test_the_feature_loss_regresses_the_states_any_drafter_projects_and_takes_no_negative_weight(tokenizer):
+    module = HeadsModule(TINY_BASE, head_type="hydra", num_heads=2, feature_loss=2.0)
+    examples = [(*encode(tokenizer, to_example(row), 512), i) for i, row in enumerate(read_rows(TINY_CHAT)[:2])]
+    with_regression = module.training_step(collate(examples), 0)
+    module.hparams.feature_loss = 0.0
+    assert with_regression > module.training_step(collate(examples), 0)  # new heads' states are not the base's
     with pytest.raises(ValueError, match="feature_loss=-1"):
         HeadsModule(TINY_BASE, head_type="eagle", num_heads=2, feature_loss=-1.0)

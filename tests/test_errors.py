@@ -12,8 +12,7 @@ import train
 from mtp.base import load_base
 from mtp.folder import HeadsConfig, base_identity
 from mtp.heads import MedusaHeads
-from tests.conftest import DATA, ROOT, TINY_BASE
-from tests.test_stopping import save_random_heads
+from tests.conftest import DATA, ROOT, TINY_BASE, save_random_heads
 
 MISSING = "/nowhere/heads"
 

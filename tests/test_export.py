@@ -16,9 +16,7 @@ from mtp.base import load_tokenizer
 from mtp.decoding import Decoder
 from mtp.eagle import Eagle
 from mtp.folder import Drafter, HeadsConfig
-from tests.conftest import TINY_BASE
-from tests.test_decoding import PROMPT, TREE, random_heads, reference, tiny_model
-from tests.test_stopping import save_random_heads
+from tests.conftest import PROMPT, TINY_BASE, TREE, random_heads, reference, save_random_heads, tiny_model
 
 
 def vllm_parameters(config: dict) -> dict[str, tuple[int, ...]]:
@@ -82,7 +80,7 @@ def test_hydra_heads_are_refused_with_the_reason(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["mtp.export", "--heads", path, "--to", "vllm", "--out", str(tmp_path / "out")])
     with pytest.raises(SystemExit) as done:
         mtp.export.main()
-    assert done.value.code == 2 and "read the candidate path" in capsys.readouterr().err
+    assert done.value.code == 2 and "hydra drafters do not fit the vllm layout" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

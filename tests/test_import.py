@@ -9,8 +9,7 @@ from torch.nn import functional as F
 
 import mtp
 from mtp.folder import Drafter
-from tests.conftest import TINY_BASE
-from tests.test_decoding import reference
+from tests.conftest import TINY_BASE, reference
 
 HIDDEN, VOCAB = 64, 512  # the tiny model's
 

@@ -16,6 +16,8 @@ def imports() -> dict[str, tuple[set[str], list[str]]]:
         top, nested = set(), []
         for node in ast.walk(tree):
             modules = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            if modules == ["mtp"]:  # from mtp import module
+                modules = [f"mtp.{alias.name}" for alias in node.names]
             modules += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
             for module in (m for m in modules if m.startswith("mtp.")):
                 (nested.append(module) if id(node) in inside else top.add(module))

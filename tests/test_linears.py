@@ -12,8 +12,7 @@ from mtp import linears
 from mtp.base import load_base, load_tokenizer
 from mtp.decoding import Decoder
 from mtp.linears import ROWS, fast_linears, narrow_product, narrow_rows, usual_linears
-from tests.conftest import TINY_BASE
-from tests.test_decoding import PROMPT, TREE, random_heads, reference, tiny_model
+from tests.conftest import PROMPT, TINY_BASE, TREE, random_heads, reference, tiny_model
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, ROWS])

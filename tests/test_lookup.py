@@ -5,11 +5,10 @@ import torch
 
 from mtp.base import load_tokenizer
 from mtp.decoding import Decoder
-from mtp.drafters import DRAFTERS
+from mtp.folder import Drafter
 from mtp.lookup import Lookup
 from mtp.tree import Tree
-from tests.conftest import TINY_BASE
-from tests.test_decoding import PROMPT, TREE, random_heads, reference, tiny_model
+from tests.conftest import PROMPT, TINY_BASE, TREE, random_heads, reference, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +82,7 @@ def test_lookup_that_is_always_right_or_always_wrong_changes_the_passes_never_th
         assert result.accept_lengths == [1] * 39 and result.lookup_accepted == 0
 
 
-@pytest.mark.parametrize("head_type", [None, *DRAFTERS])
+@pytest.mark.parametrize("head_type", [None, *Drafter.kinds])
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral", "phi3", "gpt_neox"])
 def test_heads_and_lookup_together_give_the_base_models_greedy_output(model_type, head_type, tokenizer):
     model = tiny_model(model_type)

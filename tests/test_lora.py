@@ -13,8 +13,7 @@ from mtp.data import HeadsDataModule
 from mtp.drift import drift
 from mtp.folder import Drafter
 from mtp.module import HeadsModule, Lora
-from tests.conftest import TINY_BASE, TINY_CHAT
-from tests.test_decoding import reference
+from tests.conftest import TINY_BASE, TINY_CHAT, reference
 
 LORA = Lora(r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"], heads_warmup_steps=2)
 

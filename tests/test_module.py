@@ -2,7 +2,6 @@ import copy
 import json
 import random
 
-import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -14,20 +13,7 @@ from mtp.data import HeadsDataModule, collate, encode
 from mtp.heads import MedusaHeads
 from mtp.module import HeadsModule
 from mtp.rows import read_rows, to_example
-from tests.conftest import TINY_BASE, TINY_CHAT
-
-
-def trainer(tmp_path, max_steps, callbacks=(), **kwargs):
-    return L.Trainer(
-        max_steps=max_steps,
-        default_root_dir=tmp_path,
-        accelerator="cpu",
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        logger=False,
-        callbacks=list(callbacks),
-        **kwargs,
-    )
+from tests.conftest import TINY_BASE, TINY_CHAT, trainer
 
 
 def test_training_leaves_the_base_untouched_and_optimises_only_the_heads(tmp_path):

@@ -4,8 +4,7 @@ import nbformat
 from nbclient import NotebookClient
 
 from mtp.heads import MedusaHeads
-from tests.conftest import DATA, ROOT
-from tests.test_stopping import save_random_heads
+from tests.conftest import DATA, ROOT, save_random_heads
 
 
 def test_the_evaluation_notebook_runs_end_to_end_on_a_tiny_model(tmp_path, monkeypatch):

@@ -13,9 +13,7 @@ from mtp.decoding import Decoder
 from mtp.heads import MedusaHeads
 from mtp.pacing import MIN_RETURN, RETURN, Candidate, Pacer, Plan
 from mtp.tree import Tree, grow_tree
-from tests.conftest import TINY_BASE
-from tests.test_decoding import PROMPT, OracleHeads, random_heads, reference, tiny_model
-from tests.test_stopping import save_random_heads
+from tests.conftest import PROMPT, TINY_BASE, OracleHeads, random_heads, reference, save_random_heads, tiny_model
 
 CALIBRATION = [[0.6, 0.2, 0.1], [0.5, 0.3, 0.1], [0.4, 0.2, 0.1]]
 PATHS = grow_tree(CALIBRATION, 64)[0]

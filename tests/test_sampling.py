@@ -1,58 +1,18 @@
-import itertools
-import math
 from collections import Counter
 from dataclasses import replace
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-import mtp.batch
+import mtp.acceptance
 from mtp.decoding import Decoder
-from mtp.folder import Drafter, HeadsConfig
 from mtp.lookup import Lookup
 from mtp.sampling import Sampling
-from mtp.tree import DynamicTree, Tree
-from tests.test_decoding import feature_layers, random_heads, reference, tiny_model
-
-VOCAB = 8
-PROMPT = torch.tensor([[3, 7, 1]])
-TREE = Tree.from_paths([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
-
-
-def small_vocab_decoder(seed=0, sliding_window=None, head_type="medusa", lookup=None, tree=TREE) -> Decoder:
-    """A 1-layer Llama (a Mistral if `sliding_window`) over 8 tokens, peaked enough that a few continuations
-    dominate, random heads on `tree`, and `lookup`."""
-    torch.manual_seed(seed)
-    window = {"sliding_window": sliding_window} if sliding_window else {}
-    config = AutoConfig.for_model("mistral" if sliding_window else "llama", vocab_size=VOCAB, hidden_size=16,
-                                  intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                  num_key_value_heads=1, max_position_embeddings=64, eos_token_id=None,
-                                  bos_token_id=None, pad_token_id=None, **window)  # fmt: skip
-    config._attn_implementation = "eager"
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(60)  # sharper next-token distributions than a fresh init's near-uniform ones
-    config = HeadsConfig(num_heads=3, lm_head="own", head_type=head_type, hidden_size=16, vocab_size=VOCAB,
-                         feature_layers=feature_layers(model, head_type))  # fmt: skip
-    heads = Drafter.kinds[head_type].new(config, model)
-    for parameter in heads.parameters():
-        torch.nn.init.normal_(parameter, std=0.5)
-    return Decoder(model, None, heads.eval(), tree, lookup)
-
-
-def exact_joint(model, sampling: Sampling, prompt: torch.Tensor = PROMPT) -> dict[tuple, float]:
-    """The base model's probability of every 3-token continuation of `prompt` (1, P), by enumeration."""
-    sequences = torch.tensor(list(itertools.product(range(VOCAB), repeat=2)))  # (V^2, 2)
-    ids = torch.cat([prompt.expand(len(sequences), -1), sequences], 1)  # (V^2, P+2)
-    with torch.no_grad():
-        probs = sampling.probabilities(model(ids).logits[:, -3:])  # (V^2, 3, V) after the prompt, x1, x2
-    joint = {}
-    for row, (x1, x2) in enumerate(sequences.tolist()):
-        for x3 in range(VOCAB):
-            joint[(x1, x2, x3)] = float(probs[row, 0, x1] * probs[row, 1, x2] * probs[row, 2, x3])
-    return joint
+from mtp.tree import DynamicTree
+from tests.conftest import SMALL_VOCAB_PROMPT as PROMPT
+from tests.conftest import SMALL_VOCAB_TREE as TREE
+from tests.conftest import chi_square_z, exact_joint, random_heads, reference, small_vocab_decoder, tiny_model
 
 
 def sample(decoder: Decoder, sampling: Sampling, n: int) -> tuple[Counter, Counter]:
@@ -69,19 +29,6 @@ def sample(decoder: Decoder, sampling: Sampling, n: int) -> tuple[Counter, Count
                 break
         found[tuple(tokens[:3])] += 1
     return found, settled
-
-
-def chi_square_z(found: Counter, joint: dict[tuple, float]) -> float:
-    """Pearson's chi-square of the counts against the exact joint (cells expected below 5 pooled), as a
-    standard normal z by the Wilson-Hilferty approximation: z > 4 happens by chance with p < 4e-5."""
-    n = sum(found.values())
-    assert set(found) <= {x for x, p in joint.items() if p > 0}, "a continuation the base model cannot produce"
-    big = [x for x, p in joint.items() if n * p >= 5]
-    cells = [(found[x], n * joint[x]) for x in big]
-    cells.append((n - sum(found[x] for x in big), n * (1 - sum(joint[x] for x in big))))
-    statistic = sum((o - e) ** 2 / e for o, e in cells if e > 0)
-    df = len(cells) - 1
-    return ((statistic / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
 
 
 SETTINGS = [Sampling(temperature=1.0, seed=0), Sampling(temperature=0.7, top_k=6, top_p=0.9, seed=10**6)]
@@ -126,10 +73,10 @@ def test_the_distribution_test_catches_a_rule_that_accepts_every_guess(monkeypat
         nodes = [0]
         while children[nodes[-1]]:
             nodes.append(children[nodes[-1]][0])
-        return nodes, mtp.batch.draw(sampling.probabilities(logits[nodes[-1]]), generator)
+        return nodes, mtp.acceptance.draw(sampling.probabilities(logits[nodes[-1]]), generator)
 
     decoder, sampling = small_vocab_decoder(), SETTINGS[0]
-    monkeypatch.setattr(mtp.batch, "accept_exact", accept_always)
+    monkeypatch.setattr(mtp.acceptance, "accept_exact", accept_always)
     found, _ = sample(decoder, sampling, 2_000)
     with pytest.raises(AssertionError, match="cannot produce|chi"):
         assert chi_square_z(found, exact_joint(decoder.base_model, sampling)) < 4, "chi-square rejects"

@@ -9,7 +9,7 @@ import mtp.sizing
 from mtp.base import load_tokenizer
 from mtp.costs import SIZES, step_costs
 from mtp.decoding import Decoder
-from mtp.drafters import DRAFTERS
+from mtp.folder import Drafter
 from mtp.heads import MedusaHeads
 from mtp.lookup import FULL, Lookup
 from mtp.pacing import Candidate
@@ -22,9 +22,7 @@ from mtp.sizing import (
     spread,
 )
 from mtp.tree import DynamicTree, Tree, grow_tree, named_tree
-from tests.conftest import TINY_BASE
-from tests.test_decoding import PROMPT, random_heads, reference, tiny_model
-from tests.test_stopping import save_random_heads
+from tests.conftest import PROMPT, TINY_BASE, random_heads, reference, save_random_heads, tiny_model
 
 # Two heads, three ranks: head 0 is right at rank 0 60% of the time, and so on.
 CALIBRATION = [[0.6, 0.2, 0.1], [0.5, 0.3, 0.1]]
@@ -196,7 +194,7 @@ def test_dynamic_trees_are_simulated_on_distinct_answers_spread_over_the_held_ou
     assert len(spread(examples[:23], 6)) == 4  # fewer distinct answers than asked: all of them
 
 
-@pytest.mark.parametrize("head_type", DRAFTERS)
+@pytest.mark.parametrize("head_type", Drafter.kinds)
 def test_the_simulation_takes_the_steps_that_decoding_takes(head_type):
     """held_out_roots on the tiny model's own greedy answers, then simulate: the same passes and tokens as the
     decoder with those heads, tree and lookup. The random heads guess among the answers' own tokens (a draft

@@ -8,16 +8,8 @@ from transformers import DynamicCache
 
 from mtp.cache import attention_windows, keep_accepted, tree_attention_mask
 from mtp.decoding import Decoder
-from tests.test_decoding import TREE, OracleHeads, random_heads, reference, tiny_model
+from tests.conftest import SLIDING, TREE, WINDOW, OracleHeads, random_heads, reference, tiny_model
 
-WINDOW = 16
-SLIDING = {
-    "mistral": dict(sliding_window=WINDOW),
-    "phi3": dict(sliding_window=WINDOW),
-    "qwen2": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),  # layer 0 full, 1 slides
-    "gemma3_text": dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"], head_dim=16),
-    "gemma2": dict(sliding_window=WINDOW, head_dim=16),  # alternating layers, eager attention, soft caps
-}
 PROMPT = torch.tensor([[5, 77, 300, 12, 9, 41, 250, 3, 18, 460, 101, 66]])  # 12 tokens: the window is passed soon
 
 

@@ -11,8 +11,7 @@ import mtp
 from mtp.decoding import Decoder, GenerationResult
 from mtp.folder import Drafter, HeadsConfig, base_identity
 from mtp.heads import MedusaHeads
-from tests.conftest import ROOT, TINY_BASE
-from tests.test_decoding import PROMPT, TREE, OracleHeads, feature_layers, reference, tiny_model
+from tests.conftest import PROMPT, ROOT, TINY_BASE, TREE, OracleHeads, reference, save_random_heads, tiny_model
 
 pytestmark = pytest.mark.usefixtures("tokenizer")
 
@@ -114,19 +113,6 @@ def test_generation_fills_the_context_window_exactly_and_no_further(tokenizer):
     with pytest.raises(ValueError, match=f"{41 + 1} in all, past the model's context window of 41 tokens: lower "
                                          f"max_new_tokens to at most {room}"):  # fmt: skip
         decoder.generate(PROMPT, max_new_tokens=room + 1)
-
-
-def save_random_heads(tmp_path, lm_head="shared", head_type="medusa"):
-    model, tokenizer = mtp.base.load_base(TINY_BASE)
-    identity = base_identity(TINY_BASE, model, tokenizer)
-    config = HeadsConfig(num_heads=3, lm_head=lm_head, head_type=head_type, **identity,
-                         feature_layers=feature_layers(model, head_type))  # fmt: skip
-    heads = Drafter.kinds[head_type].new(config, model)
-    torch.manual_seed(0)
-    for parameter in heads.parameters():
-        torch.nn.init.normal_(parameter, std=0.3)
-    heads.save_pretrained(tmp_path / "heads")
-    return str(tmp_path / "heads"), model, tokenizer
 
 
 @pytest.mark.parametrize("head_type", Drafter.kinds)
