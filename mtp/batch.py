@@ -111,16 +111,18 @@ class Batch:
         drafters commit it. Per row: the tokens it settles (the accepted candidates and the bonus token) and how
         many of its accepted candidates each drafter proposed, by name."""
         plan = self.pacer.plan(self.rows)
+        prefix_lens = torch.tensor([row.prefix_len for row in self.rows], device=self.device)  # (B,) the roots' places
         with record_function("mtp.candidates"):  # the drafters' guesses laid out on each row's tree
             trees, tokens = self.propose(plan)
-        states = self.verify(trees, tokens)
+        states = self.verify(trees, tokens, prefix_lens)
         with record_function("mtp.accept"):
             nodes, settled = self.accept(trees, tokens, states)
-        return self.commit(plan, trees, states, nodes, settled)
+        return self.commit(plan, trees, states, nodes, settled, prefix_lens)
 
-    def verify(self, trees: list[Tree], tokens: list[torch.Tensor]) -> States:
+    def verify(self, trees: list[Tree], tokens: list[torch.Tensor], prefix_lens: torch.Tensor) -> States:
         """One pass of the base model over every row's tree after its cache, each node at its depth past its row's
-        root and seeing its ancestors only; rows with smaller trees are padded with nodes seen by none."""
+        root (at `prefix_lens` (B,)) and seeing its ancestors only; rows with smaller trees are padded with nodes
+        seen by none."""
         with record_function("mtp.verify"):
             size = max(tree.size for tree in trees)
             batch = torch.zeros(len(trees), size, dtype=torch.long, device=self.device)  # (B, Q) tokens
@@ -129,7 +131,6 @@ class Batch:
             for b, (tree, row_tokens) in enumerate(zip(trees, tokens, strict=True)):
                 batch[b, : tree.size], depths[b, : tree.size] = row_tokens, tree.depths
                 mask[b, : tree.size, : tree.size] = tree.mask
-            prefix_lens = torch.tensor([row.prefix_len for row in self.rows], device=self.device)  # (B,)
             positions = prefix_lens[:, None] + depths  # (B, Q)
             attention = tree_attention_mask(mask, positions, self.slots, self.target.windows, self.target.dtype)
             with grouped_keys(self.device.type == "cpu" and size > 1):
@@ -150,10 +151,10 @@ class Batch:
                    in zip(tokens, nodes, accepted, strict=True)]  # fmt: skip
         return nodes, settled
 
-    def commit(self, plan: Plan, trees: list[Tree], states: States, nodes: list[torch.Tensor], settled: list):
+    def commit(self, plan: Plan, trees: list[Tree], states: States, nodes: list[torch.Tensor], settled: list,
+               prefix_lens: torch.Tensor):  # fmt: skip
         """Keep each row's accepted nodes in the cache (the rest dropped) and hand them to the drafters; each row
         moves past them and its drafters' skills follow (`Pacer.update`). Returns `step`'s results."""
-        prefix_lens = torch.tensor([row.prefix_len for row in self.rows], device=self.device)  # (B,)
         with record_function("mtp.cache"):
             self.slots = keep_accepted(self.cache, self.slots, nodes, prefix_lens)
         with record_function("mtp.drafters"):

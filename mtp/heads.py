@@ -73,9 +73,7 @@ class Heads(Drafter):
         if self.reads_path:
             following = embed(following_tokens(input_ids, self.config.num_heads)[keep])
         states = self._states(hidden[keep], following, 0, self.config.num_heads)  # (K, N, H)
-        if self.config.draft_vocab is None:
-            return self._project(states, base_lm_head), states
-        return self._draft_project(states, base_lm_head), states
+        return self._logits(states, base_lm_head), states
 
     def path_guesses(self, hidden, features, input_ids, base_lm_head, embed, k: int) -> torch.Tensor:
         """Token ids of every head's top-k guesses at every position of one sequence, heads that read the path
@@ -109,6 +107,13 @@ class Heads(Drafter):
         last = self.config.num_heads if num_heads is None else first + num_heads
         return self._draft_project(self._states(hidden, following, first, last), base_lm_head, first)
 
+    def _logits(self, states: torch.Tensor, base_lm_head: nn.Module, first: int = 0) -> torch.Tensor:
+        """Logits of heads first .. first+K-1 from their states (K, ..., H): over the draft vocabulary if there is
+        one (K, ..., N), else the whole (K, ..., V)."""
+        if self.config.draft_vocab is None:
+            return self._project(states, base_lm_head, first)
+        return self._draft_project(states, base_lm_head, first)
+
     def _draft_project(self, states: torch.Tensor, base_lm_head: nn.Module, first: int = 0) -> torch.Tensor:
         """Draft-vocabulary logits of heads first .. first+K-1 from their states: (K, ..., H) -> (K, ..., N)."""
         _, weights = self._draft_rows(base_lm_head)  # (K or 1, N, H)
@@ -129,10 +134,7 @@ class Heads(Drafter):
     def guess(self, hidden, following, head: int, k: int, base_lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """Head `head`'s top-k guesses, from the draft vocabulary if there is one: their token ids (..., k) and log
         probabilities (..., k), most probable first; hidden (..., H) and `following` as in `state`."""
-        if self.config.draft_vocab is None:
-            logits = self._project(self._states(hidden, following, head, head + 1), base_lm_head, head)[0]
-        else:
-            logits = self.draft_logits(hidden, base_lm_head, 1, following, head)[0]  # (..., N)
+        logits = self._logits(self._states(hidden, following, head, head + 1), base_lm_head, head)[0]  # (..., V or N)
         logp, best = logits.float().log_softmax(-1).topk(k, dim=-1)
         return (best if self.config.draft_vocab is None else self._draft_rows(base_lm_head)[0][best]), logp
 
