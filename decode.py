@@ -1,8 +1,8 @@
 """Generate with trained heads: by default the heads shipped in heads/ for the packaged SmolLM2; with
---base-model and no --heads, plain one-token decoding of that model.
+--base-model and no --drafter, plain one-token decoding of that model.
 
 python decode.py --prompt "Explain KV caches."
-python decode.py --heads runs/.../heads --prompts-file questions.jsonl --json > answers.jsonl
+python decode.py --drafter runs/.../heads --prompts-file questions.jsonl --json > answers.jsonl
 python decode.py --prompts-file data/mt_bench.jsonl --batch-size 4   # 4 prompts per verification pass
 python decode.py --temperature 0.7 --seed 0       # interactive chat, sampling
 """
@@ -17,12 +17,12 @@ import torch
 
 import mtp
 from mtp.base import DEFAULT_BASE, load_base
-from mtp.cli import user_errors
-from mtp.decoding import Decoder, GenerationResult
-from mtp.lookup import add_lookup_arguments, lookup_from
-from mtp.rows import read_rows
-from mtp.sampling import add_sampling_arguments, sampling_from
-from mtp.tree import TREE_HELP
+from mtp.decoding.decoder import Decoder, GenerationResult
+from mtp.decoding.lookup import add_lookup_arguments, lookup_from
+from mtp.decoding.sampling import add_sampling_arguments, sampling_from
+from mtp.decoding.tree import TREE_HELP
+from mtp.tools.cli import user_errors
+from mtp.training.rows import read_rows
 
 SHIPPED_HEADS = Path(__file__).parent / "heads" / "smollm2-135m-instruct"  # trained by configs/smollm2-sharegpt.yaml
 
@@ -56,7 +56,7 @@ def typed_turns():
 @user_errors
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--heads", help="heads folder or Hub repository id (default: "
+    parser.add_argument("--drafter", "--heads", help="drafter folder or Hub repository id (default: "
                         f"{SHIPPED_HEADS.relative_to(Path(__file__).parent)}, unless --base-model is given: then "
                         "decoding of it without heads)")  # fmt: skip
     parser.add_argument("--base-model", help=f"base model to use (default: the heads' own, else {DEFAULT_BASE})")
@@ -81,10 +81,10 @@ def main() -> None:
                          "without --stream.")  # fmt: skip
     dtype = getattr(torch, args.dtype)
     sampling = sampling_from(args)
-    if args.heads is None and args.base_model is None:
-        args.heads = str(SHIPPED_HEADS)
-    if args.heads:
-        decoder = mtp.load(args.heads, args.device, dtype, args.tree, args.base_model, lookup_from(args))
+    if args.drafter is None and args.base_model is None:
+        args.drafter = str(SHIPPED_HEADS)
+    if args.drafter:
+        decoder = mtp.load(args.drafter, args.device, dtype, args.tree, args.base_model, lookup_from(args))
     else:
         decoder = Decoder(*load_base(args.base_model or DEFAULT_BASE, args.device, dtype), lookup=lookup_from(args))
     chat = decoder.tokenizer.chat_template is not None

@@ -3,20 +3,20 @@
 import torch
 from lightning.pytorch.cli import LightningCLI
 
-from mtp.cli import user_errors
-from mtp.data import HeadsDataModule
-from mtp.module import HeadsModule
+from mtp.tools.cli import user_errors
+from mtp.training.data import DrafterDataModule
+from mtp.training.module import DrafterModule
 
 
-class HeadsCLI(LightningCLI):
+class DrafterCLI(LightningCLI):
     def add_arguments_to_parser(self, parser):
         parser.link_arguments("model.base_model", "data.base_model")
 
 
 @user_errors
-def main(args=None) -> HeadsCLI:
+def main(args=None) -> DrafterCLI:
     precision = "bf16-mixed" if torch.cuda.is_available() else "32-true"
-    return HeadsCLI(HeadsModule, HeadsDataModule, trainer_defaults={"precision": precision}, args=args)
+    return DrafterCLI(DrafterModule, DrafterDataModule, trainer_defaults={"precision": precision}, args=args)
 
 
 if __name__ == "__main__":

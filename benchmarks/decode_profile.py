@@ -2,7 +2,7 @@
 model's pass (verify), acceptance (with the lm_head's logits), cache bookkeeping and the rest (prefill, Python,
 stop checks), then the operators that take the most time per step, over a few MT-Bench questions.
 
-    python benchmarks/decode_profile.py --heads HEADS --questions data/mt_bench.jsonl
+    python benchmarks/decode_profile.py --drafter DRAFTER --questions data/mt_bench.jsonl
 
 The plain step is the same loop without heads or lookup: one token per pass, the base model's own attention path.
 """
@@ -13,11 +13,11 @@ import time
 from torch.profiler import ProfilerActivity, profile
 
 import mtp
-from mtp.decoding import Decoder
-from mtp.rows import read_rows
-from mtp.tree import NAMED_TREES
+from mtp.decoding.decoder import Decoder
+from mtp.decoding.tree import NAMED_TREES
+from mtp.training.rows import read_rows
 
-PHASES = ("mtp.candidates", "mtp.verify", "mtp.accept", "mtp.cache")
+PHASES = ("mtp.candidates", "mtp.verify", "mtp.accept", "mtp.decoding.cache")
 
 
 def profiled(decoder: Decoder, prompts: list, max_new_tokens: int) -> tuple[dict[str, float], int, int, float]:
@@ -37,14 +37,14 @@ def profiled(decoder: Decoder, prompts: list, max_new_tokens: int) -> tuple[dict
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--heads", required=True)
+    parser.add_argument("--drafter", "--heads", required=True)
     parser.add_argument("--questions", required=True)
     parser.add_argument("--limit", type=int, default=1, help="questions (the profiler holds every op: keep it small)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--tree", help=f"one of {sorted(NAMED_TREES)} or a number of nodes (default: the heads' tree)")
     parser.add_argument("--ops", type=int, default=10, help="operators listed, by their time in the tree step")
     args = parser.parse_args()
-    decoder = mtp.load(args.heads, tree=args.tree)
+    decoder = mtp.load(args.drafter, tree=args.tree)
     plain = Decoder(decoder.base_model, decoder.tokenizer)
     prompts = [[{"role": "user", "content": row["turns"][0]}] for row in read_rows(args.questions)[: args.limit]]
     found = {name: profiled(d, prompts, args.max_new_tokens) for name, d in (("plain", plain), ("tree", decoder))}

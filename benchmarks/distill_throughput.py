@@ -1,6 +1,6 @@
 """Self-distillation throughput, in one run over the same prompts: answer tokens/s of plain single-prompt greedy
-`generate`, of `generate` over length-sorted left-padded batches (the old `mtp.distill`: a finished row keeps
-its slot until the longest answer of its batch ends), and of `mtp.distill.continuous_batching` (a finished row
+`generate`, of `generate` over length-sorted left-padded batches (the old `mtp.training.distill`: a finished row keeps
+its slot until the longest answer of its batch ends), and of `mtp.training.distill.continuous_batching` (a finished row
 takes the next prompt at once), with the ratios to single-prompt `generate`.
 
     python benchmarks/distill_throughput.py --prompts 64 --max-new-tokens 256 --batch-sizes 16,32
@@ -12,8 +12,8 @@ import time
 import torch
 
 from mtp.base import DEFAULT_BASE, load_base
-from mtp.distill import Distill, continuous_batching
-from mtp.rows import read_rows, to_example
+from mtp.training.distill import Distill, continuous_batching
+from mtp.training.rows import read_rows, to_example
 
 
 def answer_length(new_tokens: list[int], eos: int) -> int:
@@ -22,7 +22,7 @@ def answer_length(new_tokens: list[int], eos: int) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", default="data/sharegpt_prompts.json", help="prompts (any format mtp.data reads)")
+    parser.add_argument("--data", default="data/sharegpt_prompts.json", help="prompts (any format mtp reads)")
     parser.add_argument("--prompts", type=int, default=64, help="the first N prompts of at most --max-prompt-tokens")
     parser.add_argument("--max-prompt-tokens", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=256)

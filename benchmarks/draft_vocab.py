@@ -2,7 +2,7 @@
 target tokens cover; a decoding step's time over a grown tree against a plain step; and tau on MT-Bench first
 turns, for the whole vocabulary and each N (the heads' guesses restricted to those N tokens).
 
-    python benchmarks/draft_vocab.py --heads heads/smollm2-135m-instruct --data data/distilled/sharegpt-greedy-256
+    python benchmarks/draft_vocab.py --drafter heads/smollm2-135m-instruct --data data/distilled/sharegpt-greedy-256
 """
 
 import argparse
@@ -10,15 +10,15 @@ import argparse
 import torch
 
 import mtp
-from mtp.costs import measure_steps
-from mtp.data import HeadsDataModule
-from mtp.rows import read_rows
-from mtp.tree import grow_tree
+from mtp.decoding.costs import measure_steps
+from mtp.decoding.tree import grow_tree
+from mtp.training.data import DrafterDataModule
+from mtp.training.rows import read_rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--heads", required=True)
+    parser.add_argument("--drafter", "--heads", required=True)
     parser.add_argument("--data", required=True, help="training data whose target tokens make the draft vocabulary")
     parser.add_argument("--sizes", default="4096,8192,16384")
     parser.add_argument("--tree", type=int, default=4, help="tree size (grown from the heads' calibration)")
@@ -26,9 +26,9 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     args = parser.parse_args()
-    decoder = mtp.load(args.heads, tree=str(args.tree))
-    heads, model = decoder.heads, decoder.base_model
-    data = HeadsDataModule(args.data, heads.config.base_model, val_fraction=0)
+    decoder = mtp.load(args.drafter, tree=str(args.tree))
+    heads, model = decoder.drafter, decoder.base_model
+    data = DrafterDataModule(args.data, heads.config.base_model, val_fraction=0)
     data.setup("fit")
     targets = torch.cat([ids[mask] for ids, mask, _ in data.train_examples])
     counts = torch.bincount(targets, minlength=heads.config.vocab_size).sort(descending=True)  # (V,)

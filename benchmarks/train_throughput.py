@@ -17,8 +17,8 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
 from mtp.base import DEFAULT_BASE
-from mtp.data import HeadsDataModule
-from mtp.module import HeadsModule
+from mtp.training.data import DrafterDataModule
+from mtp.training.module import DrafterModule
 
 
 class StepTimer(Callback):
@@ -64,12 +64,12 @@ def main() -> None:
     parser.add_argument("--lm_head", default="shared", choices=["shared", "own"])
     args = parser.parse_args()
 
-    data = HeadsDataModule(args.data, args.base_model, batch_size=args.batch_size, max_length=args.max_length,
+    data = DrafterDataModule(args.data, args.base_model, batch_size=args.batch_size, max_length=args.max_length,
                            val_fraction=0)  # fmt: skip
     data.setup("fit")
     batches = list(islice(iter(data.train_dataloader()), args.batches + 1))
     tokens = sum(int(batch["attention_mask"].sum()) for batch in batches[1:])
-    module = HeadsModule(args.base_model, num_heads=args.num_heads, lm_head=args.lm_head)
+    module = DrafterModule(args.base_model, num_heads=args.num_heads, lm_head=args.lm_head)
     base = module.base_model
 
     @torch.no_grad()
@@ -82,7 +82,7 @@ def main() -> None:
 
     forward_s, backbone_s = timed(forward, batches), timed(backbone, batches)
     train_s = fit_seconds(module, batches, epochs=1)[0]
-    cached = HeadsModule(args.base_model, num_heads=args.num_heads, lm_head=args.lm_head, cache_hidden=True)
+    cached = DrafterModule(args.base_model, num_heads=args.num_heads, lm_head=args.lm_head, cache_hidden=True)
     cached_s = fit_seconds(cached, batches, epochs=2)
 
     print(f"{args.batches} batches of {args.batch_size}, {tokens} tokens, threads={torch.get_num_threads()}")

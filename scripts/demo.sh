@@ -16,16 +16,16 @@ echo "== 2/3 Decoding with the shipped heads (heads/smollm2-135m-instruct), stre
 $python decode.py --prompt "Explain in three sentences why the sky is blue." --max-new-tokens 96 --stream
 
 echo "== 3/3 Tau and speed against the fastest plain decoder, one MT-Bench question per category, in one run"
-$python -m mtp.bench --heads heads/smollm2-135m-instruct --questions data/mt_bench.jsonl --limit 8 \
+$python -m mtp.tools.bench --drafter heads/smollm2-135m-instruct --questions data/mt_bench.jsonl --limit 8 \
     --max-new-tokens 64 --repeat 2 --out runs/demo/bench.json
 
 cat <<NEXT
 
 The heads you just trained: $heads
 Next, with them (or with heads/smollm2-135m-instruct, the shipped ones):
-  $python -m mtp.sizing --heads $heads          # size their tree for this machine
-  $python decode.py --heads $heads --stream       # chat with them
-  $python -m mtp.bench --heads $heads --questions data/mt_bench.jsonl --limit 8 --max-new-tokens 128
+  $python -m mtp.tools.sizing --drafter $heads          # size their tree for this machine
+  $python decode.py --drafter $heads --stream       # chat with them
+  $python -m mtp.tools.bench --drafter $heads --questions data/mt_bench.jsonl --limit 8 --max-new-tokens 128
 NEXT
 $python - <<'FIGURE'
 import json

@@ -25,8 +25,8 @@ $python train.py fit --config configs/tiny.yaml --trainer.accelerator $accelerat
 
 echo "== 2/3 Sizing the shipped heads on $device ($dtype, trees up to $nodes nodes)"
 rm -rf "$out/heads" && cp -r heads/smollm2-135m-instruct "$out/heads"
-$python -m mtp.sizing --heads "$out/heads" --device "$device" --dtype $dtype --max-nodes $nodes --remeasure
+$python -m mtp.tools.sizing --drafter "$out/heads" --device "$device" --dtype $dtype --max-nodes $nodes --remeasure
 
-echo "== 3/3 mtp.bench: $questions MT-Bench first turns, $tokens new tokens, against the fastest plain decoder"
-$python -m mtp.bench --heads "$out/heads" --questions data/mt_bench.jsonl --limit $questions \
+echo "== 3/3 mtp.tools.bench: $questions MT-Bench first turns, $tokens new tokens, against the fastest plain decoder"
+$python -m mtp.tools.bench --drafter "$out/heads" --questions data/mt_bench.jsonl --limit $questions \
     --max-new-tokens $tokens --device "$device" --dtype $dtype --out "$out/bench.json"

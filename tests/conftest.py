@@ -16,11 +16,11 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 import mtp  # noqa: E402
 from mtp.base import load_base  # noqa: E402
-from mtp.decoding import Decoder  # noqa: E402
-from mtp.folder import Drafter, HeadsConfig, base_identity  # noqa: E402
-from mtp.heads import MedusaHeads  # noqa: E402
-from mtp.sampling import Sampling  # noqa: E402
-from mtp.tree import Tree  # noqa: E402
+from mtp.decoding.decoder import Decoder  # noqa: E402
+from mtp.decoding.sampling import GREEDY, Sampling  # noqa: E402
+from mtp.decoding.tree import Tree  # noqa: E402
+from mtp.drafters.contract import Drafter, DrafterConfig, base_identity  # noqa: E402
+from mtp.drafters.heads import MedusaHeads  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_BASE = str(ROOT / "configs" / "models" / "tiny-llama" / "config.json")
@@ -60,6 +60,13 @@ def reference(model, input_ids, max_new_tokens):
     return out[0, input_ids.shape[1] :].tolist()
 
 
+def plain_answer(model, input_ids, max_new_tokens: int, eos_ids: set[int]) -> list[int]:
+    """What plain greedy decoding answers: the base model's greedy tokens before its first EOS, at most
+    max_new_tokens of them (a decoder's `token_ids` keep no EOS)."""
+    tokens = reference(model, input_ids, max_new_tokens)
+    return next((tokens[:i] for i, token in enumerate(tokens) if token in eos_ids), tokens)
+
+
 class OracleHeads(MedusaHeads):
     """Heads that know the future: they look up which position of which reference causal run (one per prompt) the
     given hidden state belongs to and put all their mass on the true tokens t+2 .. t+K+1 (laid out on the tree as
@@ -90,7 +97,7 @@ def feature_layers(model, head_type: str) -> list[int]:
 
 def random_heads(model, num_heads=4, seed=1, head_type="medusa"):
     torch.manual_seed(seed)
-    config = HeadsConfig(num_heads=num_heads, head_type=head_type, hidden_size=64, vocab_size=model.config.vocab_size,
+    config = DrafterConfig(num_heads=num_heads, head_type=head_type, hidden_size=64, vocab_size=model.config.vocab_size,
                          feature_layers=feature_layers(model, head_type))  # fmt: skip
     heads = Drafter.kinds[head_type].new(config, model)
     for parameter in heads.parameters():
@@ -128,7 +135,7 @@ def small_vocab_decoder(seed=0, sliding_window=None, head_type="medusa", lookup=
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(60)  # sharper next-token distributions than a fresh init's near-uniform ones
-    config = HeadsConfig(num_heads=3, lm_head="own", head_type=head_type, hidden_size=16, vocab_size=VOCAB,
+    config = DrafterConfig(num_heads=3, lm_head="own", head_type=head_type, hidden_size=16, vocab_size=VOCAB,
                          feature_layers=feature_layers(model, head_type))  # fmt: skip
     heads = Drafter.kinds[head_type].new(config, model)
     for parameter in heads.parameters():
@@ -180,7 +187,7 @@ def trainer(tmp_path, max_steps, callbacks=(), **kwargs):
 def save_random_heads(tmp_path, lm_head="shared", head_type="medusa"):
     model, tokenizer = mtp.base.load_base(TINY_BASE)
     identity = base_identity(TINY_BASE, model, tokenizer)
-    config = HeadsConfig(num_heads=3, lm_head=lm_head, head_type=head_type, **identity,
+    config = DrafterConfig(num_heads=3, lm_head=lm_head, head_type=head_type, **identity,
                          feature_layers=feature_layers(model, head_type))  # fmt: skip
     heads = Drafter.kinds[head_type].new(config, model)
     torch.manual_seed(0)
@@ -188,3 +195,21 @@ def save_random_heads(tmp_path, lm_head="shared", head_type="medusa"):
         torch.nn.init.normal_(parameter, std=0.3)
     heads.save_pretrained(tmp_path / "heads")
     return str(tmp_path / "heads"), model, tokenizer
+
+
+def head_logits(heads, k: int, hidden: torch.Tensor, lm_head: nn.Module, following=None) -> torch.Tensor:
+    """Head k's whole-vocabulary logits (..., V) from the heads' forward; `following` (..., k + 1, H), the path head k
+    reads, padded with zeros for the heads after it."""
+    if following is not None:
+        following = nn.functional.pad(following, (0, 0, 0, heads.config.num_heads - following.shape[-2]))
+    return heads(hidden, lm_head, following=following)[k]
+
+
+def passes(decoder: Decoder, input_ids: torch.Tensor, sampling: Sampling = GREEDY):
+    """Yield what each pass of `decoder` settles for the prompt input_ids (1, T), alone in a batch: the prefill's
+    first token, then per step the accepted candidates and the bonus token, with how many each drafter proposed
+    (by name). Runs until the caller stops."""
+    batch = decoder.batch(sampling)
+    yield [batch.add(input_ids)], {}
+    while True:
+        yield batch.step()[0]

@@ -9,10 +9,10 @@ from collections import defaultdict
 import pytest
 import torch
 
-import mtp.acceptance
-from mtp.acceptance import accept_exact, accept_greedy, accept_typical
-from mtp.sampling import Sampling
-from mtp.tree import Tree
+import mtp.decoding.acceptance
+from mtp.decoding.acceptance import accept_exact, accept_greedy, accept_typical
+from mtp.decoding.sampling import Sampling
+from mtp.decoding.tree import Tree
 
 # Root; its children 1, 2, 3; node 1's children 4, 5; node 2's child 6.
 TREE = Tree.from_paths([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)])
@@ -77,8 +77,10 @@ def three_token_distribution(rule, tokens: torch.Tensor, sampling: Sampling, mon
     logits = torch.stack([target_logits(tuple(tokens[n].tolist() for n in path[1:])) for path in paths_to_nodes()])
 
     def run(choose):
-        monkeypatch.setattr(mtp.acceptance, "coin", lambda p, generator: choose([1 - p, p]) == 1)
-        monkeypatch.setattr(mtp.acceptance, "draw", lambda probs, generator: choose((probs / probs.sum()).tolist()))
+        monkeypatch.setattr(mtp.decoding.acceptance, "coin", lambda p, generator: choose([1 - p, p]) == 1)
+        monkeypatch.setattr(
+            mtp.decoding.acceptance, "draw", lambda probs, generator: choose((probs / probs.sum()).tolist())
+        )
         nodes, bonus = rule(tokens, TREE.children, logits, sampling, None)
         out = [int(tokens[n]) for n in nodes[1:]] + [bonus]
         while len(out) < 3:
@@ -116,19 +118,19 @@ def accept_with_p_not_the_residual(tokens, children, logits, sampling, generator
     while True:
         p = sampling.probabilities(logits[nodes[-1]])
         for child in children[nodes[-1]]:
-            if mtp.acceptance.coin(float(p[tokens[child]]), generator):
+            if mtp.decoding.acceptance.coin(float(p[tokens[child]]), generator):
                 nodes.append(child)
                 break
         else:
             rejected = [int(tokens[child]) for child in children[nodes[-1]]]
             p[rejected] = 0
-            return nodes, mtp.acceptance.draw(p, generator)
+            return nodes, mtp.decoding.acceptance.draw(p, generator)
 
 
 def bonus_from_p_not_the_residual(tokens, children, logits, sampling, generator):
     """Wrong: after the children are rejected, the next token is drawn from p, rejected tokens included."""
     nodes, _ = accept_exact(tokens, children, logits, sampling, generator)
-    return nodes, mtp.acceptance.draw(sampling.probabilities(logits[nodes[-1]]), generator)
+    return nodes, mtp.decoding.acceptance.draw(sampling.probabilities(logits[nodes[-1]]), generator)
 
 
 SETTINGS = [

@@ -6,8 +6,8 @@ import torch
 
 from mtp import base
 from mtp.base import DEFAULT_BASE, load_base
-from mtp.data import HeadsDataModule
-from mtp.module import HeadsModule
+from mtp.training.data import DrafterDataModule
+from mtp.training.module import DrafterModule
 from tests.conftest import TINY_BASE, TINY_CHAT
 
 
@@ -41,10 +41,10 @@ def test_the_gguf_is_converted_once_and_reused(default):
 
 
 def test_a_few_training_steps_run_on_the_default_model(tmp_path):
-    module = HeadsModule(DEFAULT_BASE, num_heads=2)
+    module = DrafterModule(DEFAULT_BASE, num_heads=2)
     trainer = L.Trainer(max_steps=2, limit_val_batches=1, default_root_dir=tmp_path, logger=False,
                         enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
-    trainer.fit(module, HeadsDataModule(TINY_CHAT, DEFAULT_BASE, batch_size=2))
+    trainer.fit(module, DrafterDataModule(TINY_CHAT, DEFAULT_BASE, batch_size=2))
     assert trainer.global_step == 2 and torch.isfinite(trainer.callback_metrics["train/loss"])
     assert module.heads.config.hidden_size == 576 and module.heads.config.vocab_size == 49152
 

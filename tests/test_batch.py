@@ -9,13 +9,13 @@ import torch
 from transformers import DynamicCache
 
 from mtp.base import load_tokenizer
-from mtp.batch import Batch
-from mtp.cache import append_rows, attention_windows, keep_accepted, keep_rows, tree_attention_mask
-from mtp.decoding import Decoder
-from mtp.lookup import Lookup
-from mtp.pacing import Pacer, Plan
-from mtp.sampling import Sampling
-from mtp.tree import DynamicTree, Tree
+from mtp.decoding.batch import Batch
+from mtp.decoding.cache import append_rows, attention_windows, keep_accepted, keep_rows, tree_attention_mask
+from mtp.decoding.decoder import Decoder
+from mtp.decoding.lookup import Lookup
+from mtp.decoding.pacing import Pacer, Plan
+from mtp.decoding.sampling import Sampling
+from mtp.decoding.tree import DynamicTree, Tree
 from tests.conftest import (
     SLIDING,
     TINY_BASE,

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from mtp.bench import markdown, summarise
+from mtp.tools.bench import markdown, summarise
 from tests.conftest import DATA, ROOT, save_random_heads
 
 
@@ -14,7 +14,7 @@ from tests.conftest import DATA, ROOT, save_random_heads
 def test_bench_writes_its_json_and_table_and_finds_no_mismatch(tmp_path, sampling):
     path, _, _ = save_random_heads(tmp_path, "own")
     out = tmp_path / "bench.json"
-    command = [sys.executable, "-m", "mtp.bench", "--heads", path, "--questions", str(DATA / "mt_bench.jsonl"),
+    command = [sys.executable, "-m", "mtp.tools.bench", "--drafter", path, "--questions", str(DATA / "mt_bench.jsonl"),
                "--limit", "3", "--max-new-tokens", "12", "--out", str(out), *sampling]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -48,7 +48,7 @@ def test_bench_writes_its_json_and_table_and_finds_no_mismatch(tmp_path, samplin
 def test_bench_of_batches_measures_each_size_and_finds_mtp_equal_to_each_prompt_alone(tmp_path):
     path, _, _ = save_random_heads(tmp_path, "own")
     out = tmp_path / "bench.json"
-    command = [sys.executable, "-m", "mtp.bench", "--heads", path, "--questions", str(DATA / "mt_bench.jsonl"),
+    command = [sys.executable, "-m", "mtp.tools.bench", "--drafter", path, "--questions", str(DATA / "mt_bench.jsonl"),
                "--limit", "5", "--max-new-tokens", "12", "--out", str(out), "--batch-size", "1", "2", "4"]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

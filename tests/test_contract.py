@@ -1,19 +1,19 @@
-"""The drafter contract (`mtp.folder.Drafter`): a kind of drafter that no module of mtp knows, defined here, trains,
-saves and loads, sizes and decodes losslessly, with no edit anywhere else."""
+"""The drafter contract (`mtp.drafters.contract.Drafter`): a kind of drafter that no module of mtp knows, defined
+here, trains, saves and loads, sizes and decodes losslessly, with no edit anywhere else."""
 
 import pytest
 import torch
 from torch import nn
 
 from mtp.base import load_tokenizer
-from mtp.data import HeadsDataModule
-from mtp.decoding import Decoder
-from mtp.drafting import TreeProposer
-from mtp.folder import Drafter
-from mtp.lookup import FULL, Lookup
-from mtp.module import HeadsModule
-from mtp.sizing import held_out_roots, simulate
-from mtp.tree import Tree
+from mtp.decoding.decoder import Decoder
+from mtp.decoding.lookup import FULL, Lookup
+from mtp.decoding.proposer import TreeProposer
+from mtp.decoding.tree import Tree
+from mtp.drafters.contract import Drafter
+from mtp.tools.simulate import held_out_roots, simulate
+from mtp.training.data import DrafterDataModule
+from mtp.training.module import DrafterModule
 from tests.conftest import PROMPT, TINY_BASE, TINY_CHAT, reference, trainer
 
 PATHS = [(0,), (1,), (0, 0), (0, 1), (1, 0)]
@@ -80,10 +80,12 @@ def probe():
 
 
 def test_a_kind_of_drafter_defined_here_trains_saves_sizes_and_decodes_losslessly(tmp_path, probe):
-    module = HeadsModule(TINY_BASE, head_type="probe", num_heads=2, lr=1e-2)
+    module = DrafterModule(TINY_BASE, head_type="probe", num_heads=2, lr=1e-2)
     base = {name: tensor.clone() for name, tensor in module.base_model.state_dict().items()}
     before = {name: tensor.clone() for name, tensor in module.heads.state_dict().items()}
-    trainer(tmp_path, max_steps=4, limit_val_batches=1).fit(module, HeadsDataModule(TINY_CHAT, TINY_BASE, batch_size=4))
+    trainer(tmp_path, max_steps=4, limit_val_batches=1).fit(
+        module, DrafterDataModule(TINY_CHAT, TINY_BASE, batch_size=4)
+    )
     assert all(not torch.equal(tensor, before[name]) for name, tensor in module.heads.state_dict().items())
     assert all(torch.equal(tensor, base[name]) for name, tensor in module.base_model.state_dict().items())
     loaded = Drafter.from_pretrained(tmp_path / "heads").eval()

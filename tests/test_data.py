@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from mtp.base import load_tokenizer
-from mtp.data import HeadsDataModule, bucket, collate, encode
-from mtp.rows import read_rows, to_example
+from mtp.training.data import DrafterDataModule, bucket, collate, encode
+from mtp.training.rows import read_rows, to_example
 from tests.conftest import TINY_BASE, TINY_CHAT
 
 CHAT = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue, like the sky."}]
@@ -76,7 +76,7 @@ def test_bucketing_covers_every_example_once_and_cuts_padding():
 def test_datamodule_skips_and_counts_rows_without_an_answer(tmp_path):
     rows = [{"messages": [{"role": "user", "content": f"Name colour {i}."}, CHAT[1]]} for i in range(6)]
     rows += [{"messages": CHAT[:1]}, {"question": "not a known format"}]
-    data = HeadsDataModule(write_jsonl(tmp_path / "chat.jsonl", rows), TINY_BASE, batch_size=2, val_fraction=0.2)
+    data = DrafterDataModule(write_jsonl(tmp_path / "chat.jsonl", rows), TINY_BASE, batch_size=2, val_fraction=0.2)
     with pytest.warns(UserWarning, match=r"Skipped 2 of 8 rows.*'no assistant turn': 1.*not ShareGPT.*: 1"):
         data.setup("fit")
     assert len(data.train_examples) + len(data.val_examples) == 6 and len(data.val_examples) == 1
@@ -93,7 +93,7 @@ def test_every_answer_to_a_held_out_prompt_is_held_out(tmp_path):
         for i in range(20)
         for answer in (f"Answer {i}.", f"Another answer {i}.")
     ]
-    data = HeadsDataModule(write_jsonl(tmp_path / "two.jsonl", rows), TINY_BASE, val_fraction=0.25)
+    data = DrafterDataModule(write_jsonl(tmp_path / "two.jsonl", rows), TINY_BASE, val_fraction=0.25)
     data.setup("fit")
     tokenizer = load_tokenizer(TINY_BASE)
 
@@ -124,7 +124,7 @@ def test_val_data_validates_on_its_answers_to_prompts_never_trained_on(tmp_path)
 
     train_file = write_jsonl(tmp_path / "both.jsonl", chats(("Greedy", "Sampled"), range(20)))
     val_file = write_jsonl(tmp_path / "greedy.jsonl", chats(("Greedy",), [*range(20), 99]))
-    data = HeadsDataModule(train_file, TINY_BASE, val_fraction=0.25, val_data=val_file)
+    data = DrafterDataModule(train_file, TINY_BASE, val_fraction=0.25, val_data=val_file)
     data.setup("fit")
     tokenizer = load_tokenizer(TINY_BASE)
     val = [tokenizer.decode(ids) for ids, _, _ in data.val_examples]
@@ -139,7 +139,7 @@ def test_val_data_validates_on_its_answers_to_prompts_never_trained_on(tmp_path)
 
 
 def test_all_rows_bad_is_an_error(tmp_path):
-    data = HeadsDataModule(write_jsonl(tmp_path / "bad.jsonl", [{"messages": CHAT[:1]}] * 3), TINY_BASE)
+    data = DrafterDataModule(write_jsonl(tmp_path / "bad.jsonl", [{"messages": CHAT[:1]}] * 3), TINY_BASE)
     with pytest.raises(ValueError, match=r"No usable row.*3 rows.*no assistant turn"):
         data.setup("fit")
 
@@ -173,7 +173,7 @@ def test_validation_batches_are_the_held_out_examples_and_no_index_is_shared(tmp
     of its own across both splits: the module caches hidden states by index (cache_hidden), so an index shared by
     two examples would mix their states."""
     rows = [{"text": f"row {i} " + "word " * (i % 7)} for i in range(20)]  # 20 different texts
-    data = HeadsDataModule(write_jsonl(tmp_path / "text.jsonl", rows), TINY_BASE, batch_size=3, val_fraction=0.25)
+    data = DrafterDataModule(write_jsonl(tmp_path / "text.jsonl", rows), TINY_BASE, batch_size=3, val_fraction=0.25)
     data.setup("fit")
 
     def seen(loader) -> dict[int, tuple[int, ...]]:  # example index -> its token ids, over one pass of a loader

@@ -7,11 +7,11 @@ import torch
 from transformers import DynamicCache
 
 from mtp.base import load_tokenizer
-from mtp.cache import GQA_SWITCH, grouped_keys, keep_accepted
-from mtp.decoding import Decoder
-from mtp.folder import Drafter, HeadsConfig
-from mtp.heads import MedusaHeads
-from mtp.tree import Tree
+from mtp.decoding.cache import GQA_SWITCH, grouped_keys, keep_accepted
+from mtp.decoding.decoder import Decoder
+from mtp.decoding.tree import Tree
+from mtp.drafters.contract import Drafter, DrafterConfig
+from mtp.drafters.heads import MedusaHeads
 from tests.conftest import PROMPT, TINY_BASE, TREE, OracleHeads, random_heads, reference, tiny_model
 
 
@@ -76,7 +76,7 @@ def test_without_heads_the_loop_is_plain_greedy_decoding(tokenizer):
 @pytest.mark.parametrize("grouped", [False, True], ids=["keys-repeated", "keys-grouped"])
 def test_tree_attention_equals_causal_attention_along_every_path(tokenizer, grouped):
     """With transformers' copies of grouped-query keys per group, and with SDPA taking the groups as they are (the
-    decoder's verification pass on a CPU, `mtp.cache.grouped_keys`)."""
+    decoder's verification pass on a CPU, `mtp.decoding.cache.grouped_keys`)."""
     model = tiny_model()  # 4 query heads, 2 key-value heads
     prefix = tokenizer(PROMPT, return_tensors="pt").input_ids  # (1, P)
     torch.manual_seed(0)
@@ -128,14 +128,14 @@ def test_the_cache_after_acceptance_equals_a_causal_run(tokenizer):
 def test_trained_heads_give_the_base_models_greedy_output(tokenizer, tmp_path, head_type):
     import lightning as L
 
-    from mtp.data import HeadsDataModule
-    from mtp.module import HeadsModule
+    from mtp.training.data import DrafterDataModule
+    from mtp.training.module import DrafterModule
     from tests.conftest import TINY_CHAT
 
-    module = HeadsModule(TINY_BASE, num_heads=4, lm_head="own", lr=3e-3, head_type=head_type)
+    module = DrafterModule(TINY_BASE, num_heads=4, lm_head="own", lr=3e-3, head_type=head_type)
     trainer = L.Trainer(max_steps=30, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path)  # fmt: skip
-    trainer.fit(module, HeadsDataModule(TINY_CHAT, TINY_BASE, batch_size=8))
+    trainer.fit(module, DrafterDataModule(TINY_CHAT, TINY_BASE, batch_size=8))
     model = module.base_model
     model.generation_config.eos_token_id = None  # no early stop on either side
     decoder = Decoder(model, tokenizer, module.heads.eval(), TREE)
@@ -159,7 +159,7 @@ def test_the_packaged_smollm2_decodes_mt_bench_exactly_as_its_own_greedy_search(
     model, tokenizer = load_base(DEFAULT_BASE)
     model.generation_config.eos_token_id = None  # EOS off: both sides run the full 64 tokens
     questions = [json.loads(line) for line in (DATA / "mt_bench.jsonl").read_text().splitlines()]
-    fresh = MedusaHeads(HeadsConfig(num_heads=4, hidden_size=576, vocab_size=49152))  # predicts like the lm_head
+    fresh = MedusaHeads(DrafterConfig(num_heads=4, hidden_size=576, vocab_size=49152))  # predicts like the lm_head
     for question in questions[::16]:  # 5 questions, one from every other category
         messages = [{"role": "user", "content": question["turns"][0]}]
         decoder = Decoder(model, tokenizer, fresh, TREE)
@@ -175,15 +175,15 @@ def test_the_shipped_heads_decode_the_first_mt_bench_question_as_plain_greedy_do
     import json
 
     import mtp
-    from mtp.bench import timed_generate
-    from mtp.sampling import GREEDY
+    from mtp.decoding.sampling import GREEDY
+    from mtp.tools.bench import timed_generate
     from tests.conftest import DATA, ROOT
 
     shipped = str(ROOT / "heads" / "smollm2-135m-instruct")
     saved = json.loads((ROOT / "heads" / "smollm2-135m-instruct" / "config.json").read_text())["acceptance"]
     assert {row["size"] for row in saved} >= {1, 2, 3, 4}  # what load paces among (tests/test_pacing.py)
     decoder = mtp.load(shipped, tree="3")  # the root and head 0's two best guesses, grown from the calibration
-    assert decoder.tree.size == 3 and decoder.heads.config.calibration is not None
+    assert decoder.tree.size == 3 and decoder.drafter.config.calibration is not None
     question = json.loads((DATA / "mt_bench.jsonl").read_text().splitlines()[0])["turns"][0]
     messages = [{"role": "user", "content": question}]
     result = decoder.generate(messages, max_new_tokens=128)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from mtp.base import load_base
-from mtp.distill import Distill, read_done, run_distill
-from mtp.rows import read_rows
+from mtp.training.distill import Distill, read_done, run_distill
+from mtp.training.rows import read_rows
 from tests.conftest import TINY_BASE
 
 

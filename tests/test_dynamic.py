@@ -1,4 +1,4 @@
-"""Dynamic trees (`mtp.tree.DynamicTree`): each step's tree grown from the drafter's own draft probabilities, a
+"""Dynamic trees (`mtp.decoding.tree.DynamicTree`): each step's tree grown from the drafter's own draft probabilities, a
 tree per row, as lossless as a static one."""
 
 import pytest
@@ -6,13 +6,13 @@ import torch
 from transformers import DynamicCache
 
 from mtp.base import load_tokenizer
-from mtp.decoding import Decoder
-from mtp.drafting import TreeProposer
-from mtp.folder import Drafter
-from mtp.lookup import Lookup
-from mtp.pacing import Plan
-from mtp.target import Target
-from mtp.tree import DynamicTree, named_tree
+from mtp.decoding.decoder import Decoder
+from mtp.decoding.lookup import Lookup
+from mtp.decoding.pacing import Plan
+from mtp.decoding.proposer import TreeProposer
+from mtp.decoding.target import Target
+from mtp.decoding.tree import DynamicTree, named_tree
+from mtp.drafters.contract import Drafter
 from tests.conftest import PROMPT, TINY_BASE, OracleHeads, random_heads, reference, tiny_model
 
 
@@ -107,7 +107,7 @@ def test_dynamic_trees_are_written_as_nodes_depth_top_k_and_checked(tokenizer):
     with pytest.raises(ValueError, match="at least 1 node"):
         DynamicTree(8, 0, 3)
     model = tiny_model()
-    with pytest.raises(ValueError, match="5 levels deep, but there are only 4 heads"):
+    with pytest.raises(ValueError, match="5 levels deep, but the drafter fills only 4 levels"):
         Decoder(model, tokenizer, random_heads(model), DynamicTree(8, 5, 3))
     Decoder(model, tokenizer, random_heads(model, head_type="eagle"), DynamicTree(8, 9, 3))  # drafts as deep as asked
 

@@ -7,14 +7,14 @@ from safetensors.torch import load_file
 from torch.nn import functional as F
 
 from mtp.base import load_tokenizer
-from mtp.data import HeadsDataModule, collate, encode
-from mtp.decoding import Decoder
-from mtp.eagle import EagleProposer
-from mtp.folder import Drafter
-from mtp.module import HeadsModule
-from mtp.rows import read_rows, to_example
-from mtp.tree import Tree
-from tests.conftest import PROMPT, TINY_BASE, TINY_CHAT, random_heads, reference, tiny_model, trainer
+from mtp.decoding.decoder import Decoder
+from mtp.decoding.tree import Tree
+from mtp.drafters.contract import Drafter
+from mtp.drafters.eagle import EagleProposer
+from mtp.training.data import DrafterDataModule, collate, encode
+from mtp.training.module import DrafterModule
+from mtp.training.rows import read_rows, to_example
+from tests.conftest import PROMPT, TINY_BASE, TINY_CHAT, plain_answer, random_heads, reference, tiny_model, trainer
 
 
 @pytest.fixture(scope="module")
@@ -116,11 +116,11 @@ def test_the_drafters_cache_after_acceptance_equals_a_fresh_run_over_the_accepte
 
 
 def test_training_moves_the_drafter_only_and_its_folder_decodes_losslessly(tmp_path, tokenizer):
-    module = HeadsModule(TINY_BASE, head_type="eagle", num_heads=3, lr=1e-2, draft_vocab=100, teacher=True)
+    module = DrafterModule(TINY_BASE, head_type="eagle", num_heads=3, lr=1e-2, draft_vocab=100, teacher=True)
     base_before = {name: tensor.clone() for name, tensor in module.base_model.state_dict().items()}
     drafter_before = {name: tensor.clone() for name, tensor in module.heads.state_dict().items()}
     fit = trainer(tmp_path, max_steps=4, limit_val_batches=1)
-    fit.fit(module, HeadsDataModule(TINY_CHAT, TINY_BASE, batch_size=4))
+    fit.fit(module, DrafterDataModule(TINY_CHAT, TINY_BASE, batch_size=4))
     for name, tensor in module.base_model.state_dict().items():
         assert torch.equal(tensor, base_before[name]), name
     assert module.heads.config.feature_layers == [2]  # a 2-layer base: its last layer's output
@@ -135,7 +135,8 @@ def test_training_moves_the_drafter_only_and_its_folder_decodes_losslessly(tmp_p
     decoder = Decoder(module.base_model, tokenizer, loaded.eval(), Tree.from_paths([(0,), (1,), (0, 0)]))
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     result = decoder.generate(PROMPT, max_new_tokens=20)
-    assert result.token_ids == reference(module.base_model, ids, 20)[: len(result.token_ids)]
+    expected = plain_answer(module.base_model, ids, 20, decoder.eos_ids)  # the whole answer, its length included
+    assert result.token_ids == expected and (result.finish_reason == "stop") == (len(expected) < 20)
 
 
 @torch.no_grad()
@@ -143,7 +144,7 @@ def test_the_feature_loss_regresses_each_steps_output_onto_the_base_state_that_s
     """By hand, one position at a time: step k's output at entry t + k + 1 (the one that scores token t + k + 2),
     normed, against the base model's last hidden state at t + k + 1, on assistant tokens only, weighted per step."""
     weights, scale = [1.0, 0.5], 3.0
-    module = HeadsModule(TINY_BASE, head_type="eagle", num_heads=2, loss_weights=weights, feature_loss=scale)
+    module = DrafterModule(TINY_BASE, head_type="eagle", num_heads=2, loss_weights=weights, feature_loss=scale)
     torch.manual_seed(0)
     for parameter in module.heads.parameters():
         torch.nn.init.normal_(parameter, std=0.3)
@@ -168,10 +169,10 @@ def test_the_feature_loss_regresses_each_steps_output_onto_the_base_state_that_s
 
 @torch.no_grad()
 def test_the_feature_loss_regresses_the_states_any_drafter_projects_and_takes_no_negative_weight(tokenizer):
-    module = HeadsModule(TINY_BASE, head_type="hydra", num_heads=2, feature_loss=2.0)
+    module = DrafterModule(TINY_BASE, head_type="hydra", num_heads=2, feature_loss=2.0)
     examples = [(*encode(tokenizer, to_example(row), 512), i) for i, row in enumerate(read_rows(TINY_CHAT)[:2])]
     with_regression = module.training_step(collate(examples), 0)
     module.hparams.feature_loss = 0.0
     assert with_regression > module.training_step(collate(examples), 0)  # new heads' states are not the base's
     with pytest.raises(ValueError, match="feature_loss=-1"):
-        HeadsModule(TINY_BASE, head_type="eagle", num_heads=2, feature_loss=-1.0)
+        DrafterModule(TINY_BASE, head_type="eagle", num_heads=2, feature_loss=-1.0)

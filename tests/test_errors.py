@@ -6,12 +6,12 @@ import sys
 import pytest
 
 import decode
-import mtp.bench
-import mtp.sizing
+import mtp.tools.bench
+import mtp.tools.sizing
 import train
 from mtp.base import load_base
-from mtp.folder import HeadsConfig, base_identity
-from mtp.heads import MedusaHeads
+from mtp.drafters.contract import DrafterConfig, base_identity
+from mtp.drafters.heads import MedusaHeads
 from tests.conftest import DATA, ROOT, TINY_BASE, save_random_heads
 
 MISSING = "/nowhere/heads"
@@ -21,7 +21,7 @@ def wrong_base_heads(tmp_path) -> str:
     """Heads trained for another base model (hidden size 32, not the tiny model's 64)."""
     model, tokenizer = load_base(TINY_BASE)
     identity = {**base_identity("a narrower model", model, tokenizer), "hidden_size": 32}
-    MedusaHeads(HeadsConfig(num_heads=2, **identity)).save_pretrained(tmp_path / "wrong")
+    MedusaHeads(DrafterConfig(num_heads=2, **identity)).save_pretrained(tmp_path / "wrong")
     return str(tmp_path / "wrong")
 
 
@@ -37,15 +37,15 @@ CASES = {
                          "trained for base model"),
     "bad top_p": (decode.main, ["--base-model", TINY_BASE, "--prompt", "Hi", "--top-p", "0"], "top_p=0.0"),
     "missing base model": (decode.main, ["--base-model", "/nowhere/model", "--prompt", "Hi"], "Unknown base model"),
-    "bench past the context": (mtp.bench.main, ["--heads", "HEADS", "--questions", str(DATA / "mt_bench.jsonl"),
+    "bench past the context": (mtp.tools.bench.main, ["--heads", "HEADS", "--questions", str(DATA / "mt_bench.jsonl"),
                                "--limit", "1", "--max-new-tokens", "5000"], "past the model's context window"),
-    "bench missing questions": (mtp.bench.main, ["--heads", "HEADS", "--questions", "/nowhere/q.jsonl"],
+    "bench missing questions": (mtp.tools.bench.main, ["--heads", "HEADS", "--questions", "/nowhere/q.jsonl"],
                                 "'/nowhere/q.jsonl' does not exist"),
-    "bench trees unpaired": (mtp.bench.main, ["--heads", "HEADS", "--questions", str(DATA / "mt_bench.jsonl"),
+    "bench trees unpaired": (mtp.tools.bench.main, ["--heads", "HEADS", "--questions", str(DATA / "mt_bench.jsonl"),
                              "--against", "HEADS", "--against", "HEADS", "--against-tree", "3"],
                              "--against-tree given 1 times for 2 --against drafters"),
-    "sizing missing heads": (mtp.sizing.main, ["--heads", MISSING], "does not exist"),
-    "sizing without calibration": (mtp.sizing.main, ["--heads", "HEADS"], "has no calibration"),
+    "sizing missing heads": (mtp.tools.sizing.main, ["--heads", MISSING], "does not exist"),
+    "sizing without calibration": (mtp.tools.sizing.main, ["--heads", "HEADS"], "has no calibration"),
     "train missing data": (train.main, ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--data.data",
                            "/nowhere/data.jsonl"], "'/nowhere/data.jsonl' does not exist"),
     "train bad lm_head": (train.main, ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--model.lm_head",

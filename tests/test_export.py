@@ -11,11 +11,11 @@ from safetensors.torch import load_file
 from torch.nn import functional as F
 
 import mtp
-import mtp.export
+import mtp.tools.export
 from mtp.base import load_tokenizer
-from mtp.decoding import Decoder
-from mtp.eagle import Eagle
-from mtp.folder import Drafter, HeadsConfig
+from mtp.decoding.decoder import Decoder
+from mtp.drafters.contract import Drafter, DrafterConfig
+from mtp.drafters.eagle import Eagle
 from tests.conftest import PROMPT, TINY_BASE, TREE, random_heads, reference, save_random_heads, tiny_model
 
 
@@ -57,7 +57,7 @@ def test_an_exported_folder_is_what_vllm_loads_and_computes_what_the_heads_do(tm
     heads = Drafter.from_pretrained(path)
     if draft:
         heads.config.draft_vocab = list(range(3, 300, 2))
-    out = mtp.export.to_vllm(heads, model.get_output_embeddings().weight, tmp_path / "vllm")
+    out = mtp.tools.export.to_vllm(heads, model.get_output_embeddings().weight, tmp_path / "vllm")
     config = json.loads((out / "config.json").read_text())
     weights = load_file(out / "model.safetensors")
     assert config["model_type"] == "medusa" and config["num_heads"] == 3 and config["num_hidden_layers"] == 1
@@ -77,9 +77,11 @@ def test_an_exported_folder_is_what_vllm_loads_and_computes_what_the_heads_do(tm
 
 def test_hydra_heads_are_refused_with_the_reason(tmp_path, monkeypatch, capsys):
     path, _, _ = save_random_heads(tmp_path, head_type="hydra")
-    monkeypatch.setattr(sys, "argv", ["mtp.export", "--heads", path, "--to", "vllm", "--out", str(tmp_path / "out")])
+    monkeypatch.setattr(
+        sys, "argv", ["mtp.tools.export", "--drafter", path, "--to", "vllm", "--out", str(tmp_path / "out")]
+    )
     with pytest.raises(SystemExit) as done:
-        mtp.export.main()
+        mtp.tools.export.main()
     assert done.value.code == 2 and "hydra drafters do not fit the vllm layout" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
@@ -93,8 +95,10 @@ def test_the_command_writes_the_folder(tmp_path, monkeypatch, capsys, to, head_t
         config = Drafter.from_pretrained(path).config
         config.feature_layers = [1]
         Eagle.new(config, model).save_pretrained(path)
-    monkeypatch.setattr(sys, "argv", ["mtp.export", "--heads", path, "--to", to, "--out", str(tmp_path / "out")])
-    mtp.export.main()
+    monkeypatch.setattr(
+        sys, "argv", ["mtp.tools.export", "--drafter", path, "--to", to, "--out", str(tmp_path / "out")]
+    )
+    mtp.tools.export.main()
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
     assert f"Wrote {says}" in capsys.readouterr().out.replace("the drafter in ", "")
 
@@ -118,12 +122,12 @@ def test_heads_are_published_with_a_model_card_and_load_back_by_repository_id(tm
             shutil.copytree(folder_path, hub / repo_id, dirs_exist_ok=True)
 
     monkeypatch.setattr(huggingface_hub, "HfApi", LocalHub)
-    url = mtp.export.to_hub(path, "someone/tiny-heads", "tiny chats", "tau 1.50 on 3 questions")
+    url = mtp.tools.export.to_hub(path, "someone/tiny-heads", "tiny chats", "tau 1.50 on 3 questions")
     assert url == "local://someone/tiny-heads"
     card = (hub / "someone" / "tiny-heads" / "README.md").read_text()
     assert "base_model: " + heads.config.base_model in card and "Data: tiny chats" in card
     assert "head 0 0.500 / 0.750" in card and "Measured: tau 1.50 on 3 questions" in card
-    assert "--heads someone/tiny-heads" in card
+    assert "--drafter someone/tiny-heads" in card
 
     fetched = []
     monkeypatch.setattr(huggingface_hub, "snapshot_download",
@@ -213,7 +217,7 @@ def eagle3_step(w: dict, layer: dict, prefix: str, feature, embedding, positions
 def eagle_drafter(model, lm_head: str, draft: bool, feature_layers=(1, 2, 3)):
     """A random feature-level drafter of a 4-layer tiny model, reading the inputs of its layers 1, 2 and 3."""
     torch.manual_seed(1)
-    config = HeadsConfig(num_heads=3, head_type="eagle", lm_head=lm_head, hidden_size=64, vocab_size=512,
+    config = DrafterConfig(num_heads=3, head_type="eagle", lm_head=lm_head, hidden_size=64, vocab_size=512,
                          feature_layers=list(feature_layers))  # fmt: skip
     drafter = Eagle.new(config, model)
     for parameter in drafter.parameters():
@@ -229,7 +233,7 @@ def eagle_drafter(model, lm_head: str, draft: bool, feature_layers=(1, 2, 3)):
 def test_an_eagle3_export_is_what_the_engines_load_and_drafts_what_ours_does(tmp_path, speculators, lm_head, draft):
     model = tiny_model(num_hidden_layers=4)
     drafter = eagle_drafter(model, lm_head, draft)
-    out = mtp.export.to_eagle3(drafter, model, tmp_path / "out", speculators=speculators)
+    out = mtp.tools.export.to_eagle3(drafter, model, tmp_path / "out", speculators=speculators)
     config = json.loads((out / "config.json").read_text())
     weights = load_file(out / "model.safetensors")
     layer = config["transformer_layer_config"] if speculators else config
@@ -272,7 +276,7 @@ def test_an_eagle3_export_is_what_the_engines_load_and_drafts_what_ours_does(tmp
 def test_an_eagle3_checkpoint_loads_as_a_drafter_and_decodes_losslessly(tmp_path, speculators):
     model = tiny_model(num_hidden_layers=4)
     drafter = eagle_drafter(model, "shared", draft=True)
-    out = mtp.export.to_eagle3(drafter, model, tmp_path / "out", speculators=speculators)
+    out = mtp.tools.export.to_eagle3(drafter, model, tmp_path / "out", speculators=speculators)
     loaded = Drafter.from_pretrained(out)
     assert loaded.config.head_type == "eagle" and loaded.config.feature_layers == [1, 2, 3]
     assert loaded.draft_ids.tolist() == drafter.draft_ids.tolist() and loaded.config.lm_head == "own"
@@ -290,16 +294,18 @@ def test_an_eagle3_checkpoint_loads_as_a_drafter_and_decodes_losslessly(tmp_path
 def test_what_eagle3_cannot_hold_is_refused_with_the_alternative(tmp_path):
     model = tiny_model(num_hidden_layers=4)
     with pytest.raises(ValueError, match="--to vllm"):
-        mtp.export.to_eagle3(random_heads(model), model, tmp_path / "medusa")
+        mtp.tools.export.to_eagle3(random_heads(model), model, tmp_path / "medusa")
     with pytest.raises(ValueError, match="decode them with mtp"):
-        mtp.export.to_eagle3(random_heads(model, head_type="hydra"), model, tmp_path / "hydra")
+        mtp.tools.export.to_eagle3(random_heads(model, head_type="hydra"), model, tmp_path / "hydra")
     with pytest.raises(ValueError, match="--to eagle3"):
-        mtp.export.to_vllm(random_heads(model, head_type="eagle"), model.get_output_embeddings().weight, tmp_path / "v")
+        mtp.tools.export.to_vllm(
+            random_heads(model, head_type="eagle"), model.get_output_embeddings().weight, tmp_path / "v"
+        )
     for layers in [(0, 2), (1, 4), (3, 2)]:  # the embeddings; the last, post-norm state; not increasing
         with pytest.raises(ValueError, match="feature_layers"):
-            mtp.export.to_eagle3(eagle_drafter(model, "shared", True, layers), model, tmp_path / "layers")
+            mtp.tools.export.to_eagle3(eagle_drafter(model, "shared", True, layers), model, tmp_path / "layers")
     assert not any(tmp_path.iterdir())
-    config = json.loads((mtp.export.to_eagle3(eagle_drafter(model, "shared", True), model, tmp_path / "e") /
+    config = json.loads((mtp.tools.export.to_eagle3(eagle_drafter(model, "shared", True), model, tmp_path / "e") /
                          "config.json").read_text())  # fmt: skip
     for change, message in [({"eagle_aux_hidden_state_layer_ids": None}, "names no feature layers"),
                             ({"norm_before_residual": True}, "norm_before_residual")]:  # fmt: skip
@@ -310,7 +316,7 @@ def test_what_eagle3_cannot_hold_is_refused_with_the_alternative(tmp_path):
 
 def test_an_imported_drafter_without_a_base_model_asks_for_one(tmp_path):
     model = tiny_model(num_hidden_layers=4)
-    out = mtp.export.to_eagle3(eagle_drafter(model, "shared", True), model, tmp_path / "out")
+    out = mtp.tools.export.to_eagle3(eagle_drafter(model, "shared", True), model, tmp_path / "out")
     with pytest.raises(ValueError, match="No base model named.*--base-model"):
         mtp.load(str(out))
 
@@ -326,7 +332,7 @@ def test_a_scaled_rotary_embedding_goes_through_export_and_import(tmp_path):
     }  # Llama-3.1's kind, scaled down
     model = tiny_model(num_hidden_layers=4, rope_parameters=rope)
     drafter = eagle_drafter(model, "shared", True)
-    out = mtp.export.to_eagle3(drafter, model, tmp_path / "out")
+    out = mtp.tools.export.to_eagle3(drafter, model, tmp_path / "out")
     config = json.loads((out / "config.json").read_text())
     assert config["rope_theta"] == 500000.0 and config["rope_scaling"] == {
         k: v for k, v in rope.items() if k != "rope_theta"

@@ -7,16 +7,16 @@ import pytest
 import torch
 
 from mtp.base import load_base
-from mtp.folder import Drafter, HeadsConfig, base_identity
-from mtp.heads import HydraHeads, MedusaHeads
-from mtp.tree import Tree
-from tests.conftest import TINY_BASE
+from mtp.decoding.tree import Tree
+from mtp.drafters.contract import Drafter, DrafterConfig, base_identity
+from mtp.drafters.heads import HydraHeads, MedusaHeads
+from tests.conftest import TINY_BASE, head_logits
 
 
 @pytest.fixture
 def config(tiny):
     model, tokenizer = tiny
-    return HeadsConfig(num_heads=3, num_layers=2, **base_identity(TINY_BASE, model, tokenizer))
+    return DrafterConfig(num_heads=3, num_layers=2, **base_identity(TINY_BASE, model, tokenizer))
 
 
 @pytest.mark.parametrize("kind", [MedusaHeads, HydraHeads])
@@ -46,22 +46,12 @@ def random_heads(tiny, config, lm_head, kind=MedusaHeads):
 
 
 @pytest.mark.parametrize("lm_head", ["shared", "own"])
-def test_the_first_heads_alone_give_the_first_rows_of_all_heads(tiny, config, lm_head):
-    model, heads = random_heads(tiny, config, lm_head)
-    hidden = torch.randn(4, config.hidden_size)
-    every = heads(hidden, model.get_output_embeddings())  # (3, 4, V)
-    first = heads(hidden, model.get_output_embeddings(), num_heads=2)  # (2, 4, V)
-    assert first.shape[0] == 2 and not torch.equal(every[1], every[2])
-    torch.testing.assert_close(first, every[:2], rtol=1e-5, atol=1e-6)  # the lm_head's kernel may round otherwise
-
-
-@pytest.mark.parametrize("lm_head", ["shared", "own"])
 def test_guesses_from_a_draft_vocabulary_are_its_best_tokens_by_the_full_logits(tiny, config, lm_head):
     """Each head's top-k from a draft vocabulary: the full logits' best draft tokens, with their log-probabilities
     over the draft vocabulary alone (what a dynamic tree ranks nodes by)."""
     model, heads = random_heads(tiny, config, lm_head)
     hidden, lm_head_module = torch.randn(config.hidden_size), model.get_output_embeddings()
-    full = heads(hidden, lm_head_module, num_heads=2)  # (2, V)
+    full = heads(hidden, lm_head_module)[:2]  # (2, V)
     heads.config.draft_vocab = torch.randperm(config.vocab_size)[:40].tolist()
     outside = torch.ones(config.vocab_size, dtype=torch.bool)
     outside[heads.config.draft_vocab] = False
@@ -78,20 +68,24 @@ def test_guesses_from_a_draft_vocabulary_are_its_best_tokens_by_the_full_logits(
 
 
 @pytest.mark.parametrize("lm_head", ["shared", "own"])
-def test_draft_logits_are_the_full_logits_draft_columns_for_a_new_list_and_carry_gradients_to_own_projections(
+def test_training_logits_over_a_draft_vocabulary_are_the_full_logits_draft_columns_and_carry_gradients(
     tiny, config, lm_head
 ):
     model, heads = random_heads(tiny, config, lm_head)
     hidden, lm_head_module = torch.randn(2, 5, config.hidden_size), model.get_output_embeddings()
-    full = heads(hidden, lm_head_module)  # (3, 2, 5, V)
+    input_ids, keep = torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 5, dtype=torch.bool)
+    full = heads(hidden, lm_head_module).flatten(1, 2)  # (3, 10, V)
+
+    def draft():  # the training call: (3, 10, size)
+        return heads.teacher_forced(hidden, None, input_ids, keep, lm_head_module, model.get_input_embeddings())[0]
+
     with torch.no_grad():  # decoding: the rows are gathered once and kept
         for size in (40, 60):  # a second list on the same heads: the cached rows of the first must not serve it
             heads.config.draft_vocab = torch.randperm(config.vocab_size)[:size].tolist()
-            draft = heads.draft_logits(hidden, lm_head_module)  # (3, 2, 5, size)
-            torch.testing.assert_close(draft, full[..., heads.config.draft_vocab])
-    draft = heads.draft_logits(hidden, lm_head_module)  # training: in the autograd graph
-    torch.testing.assert_close(draft, full[..., heads.config.draft_vocab])
-    draft.sum().backward()
+            torch.testing.assert_close(draft(), full[..., heads.config.draft_vocab])
+    logits = draft()  # training: in the autograd graph
+    torch.testing.assert_close(logits, full[..., heads.config.draft_vocab])
+    logits.sum().backward()
     trained = [heads.blocks[0][0].linear.weight] + ([] if lm_head == "shared" else [heads.projections[0].weight])
     assert all(parameter.grad is not None and parameter.grad.abs().sum() > 0 for parameter in trained)
 
@@ -116,13 +110,14 @@ def test_hydra_heads_fill_each_node_with_the_guess_for_its_own_path(tiny, config
         for node, path in enumerate(tree.paths, 1):
             ancestors = tree.mask[tree.parents[node]].nonzero()[:, 0]  # root .. parent
             following = embed(tokens[ancestors])  # (d, H)
-            logits = heads(hidden, lm_head_module, len(path), following)[len(path) - 1]  # (V,)
+            logits = head_logits(heads, len(path) - 1, hidden, lm_head_module, following)  # (V,)
             if draft:  # only draft tokens can be guessed
                 logits = logits.masked_fill(~torch.isin(torch.arange(config.vocab_size), root.new_tensor(
                     heads.config.draft_vocab)), float("-inf"))  # fmt: skip
             assert tokens[node] == logits.topk(3).indices[path[-1]], path
         # the path matters: the children of (0,) and (1,) are guesses of the same head after different tokens
-        after = [heads(hidden, lm_head_module, 2, embed(torch.stack([root[0], tokens[node]])))[1] for node in (1, 2)]
+        after = [head_logits(heads, 1, hidden, lm_head_module, embed(torch.stack([root[0], tokens[node]])))
+                 for node in (1, 2)]  # fmt: skip
         assert tokens[1] != tokens[2] and not torch.allclose(*after)
 
 
@@ -176,14 +171,14 @@ def test_heads_round_trip_through_a_folder(tiny, config, lm_head, tmp_path):
 
 
 def test_heads_larger_than_a_part_are_written_in_parts_and_load_back_whole(tiny, config, tmp_path, monkeypatch):
-    import mtp.folder
+    import mtp.drafters.contract
 
     model, _ = tiny
     heads = MedusaHeads(config, model.get_output_embeddings().weight.detach())
     for parameter in heads.parameters():
         torch.nn.init.normal_(parameter)
     heads.save_pretrained(tmp_path)  # one file first: rewriting in parts must not leave it behind
-    monkeypatch.setattr(mtp.folder, "SHARD_BYTES", 20_000)  # each block's weight (64 x 64 floats) is 16 kB
+    monkeypatch.setattr(mtp.drafters.contract, "SHARD_BYTES", 20_000)  # each block's weight (64 x 64 floats) is 16 kB
     heads.save_pretrained(tmp_path)
     parts = sorted(p.name for p in tmp_path.glob("model*.safetensors"))
     assert len(parts) == 6 and parts[0] == "model-00001-of-00006.safetensors"
@@ -225,7 +220,7 @@ def test_heads_refuse_a_base_they_were_not_trained_for(tiny, config, tmp_path):
 )
 def test_bad_head_config_is_a_clear_error(bad, message):
     with pytest.raises(ValueError, match=message):
-        HeadsConfig(**bad)
+        DrafterConfig(**bad)
 
 
 def test_loading_from_a_folder_without_heads_is_a_clear_error(tmp_path):

@@ -28,7 +28,10 @@ def imports() -> dict[str, tuple[set[str], list[str]]]:
 def test_no_module_imports_itself_through_others_and_none_imports_inside_a_function():
     found = imports()
     graph = {name: {m for m in top if m in found} for name, (top, _) in found.items()}
-    assert len(graph) > 20 and graph["mtp.decoding"] >= {"mtp.batch", "mtp.folder"}  # the walk sees the package
+    assert len(graph) > 20 and graph["mtp.decoding.decoder"] >= {
+        "mtp.decoding.batch",
+        "mtp.drafters.contract",
+    }  # the walk sees the package
 
     def circle(start: str) -> list[str] | None:
         paths = [[start]]
@@ -43,3 +46,33 @@ def test_no_module_imports_itself_through_others_and_none_imports_inside_a_funct
 
     assert [path for name in graph if (path := circle(name))] == []
     assert {name: nested for name, (_, nested) in found.items() if nested} == {}
+
+
+def test_each_layer_imports_only_the_layers_below_it_and_only_the_drafter_contract_names_kinds():
+    """decoding/ may import the drafter contract, never a kind of drafter, Lightning, training or tools; drafters/
+    neither training nor tools; training/ no tool; only the drafters themselves (and the package root, which
+    imports every kind so the registry is complete) import a kind."""
+    found = imports()
+    kinds = {"mtp.drafters.heads", "mtp.drafters.eagle", "mtp.drafters.eagle_proposer"}
+    above = {
+        "mtp.decoding": ("mtp.training", "mtp.tools", *kinds),
+        "mtp.drafters": ("mtp.training", "mtp.tools"),
+        "mtp.training": ("mtp.tools",),
+    }
+    crossing = {
+        (name, module)
+        for name, (top, _) in found.items()
+        for layer, banned in above.items()
+        if name.startswith(layer + ".")
+        for module in top
+        if module.startswith(banned)
+    }
+    assert crossing == set()
+    outside = {(name, module) for name, (top, _) in found.items() for module in top & kinds
+               if not name.startswith("mtp.drafters.") and name != "mtp"}  # fmt: skip
+    assert outside == set()
+    for path in (ROOT / "mtp" / "decoding").glob("*.py"):  # the verifier runs without Lightning installed
+        tree = ast.parse(path.read_text())
+        names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        names |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        assert not {name for name in names if name.split(".")[0] in ("lightning", "torchmetrics")}, path.name

@@ -10,7 +10,7 @@ from torch.nn import functional as F
 
 from mtp import linears
 from mtp.base import load_base, load_tokenizer
-from mtp.decoding import Decoder
+from mtp.decoding.decoder import Decoder
 from mtp.linears import ROWS, fast_linears, narrow_product, narrow_rows, usual_linears
 from tests.conftest import PROMPT, TINY_BASE, TREE, random_heads, reference, tiny_model
 

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from mtp.base import load_tokenizer
-from mtp.decoding import Decoder
-from mtp.folder import Drafter
-from mtp.lookup import Lookup
-from mtp.tree import Tree
+from mtp.decoding.decoder import Decoder
+from mtp.decoding.lookup import Lookup
+from mtp.decoding.tree import Tree
+from mtp.drafters.contract import Drafter
 from tests.conftest import PROMPT, TINY_BASE, TREE, random_heads, reference, tiny_model
 
 

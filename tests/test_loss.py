@@ -1,6 +1,6 @@
 import torch
 
-from mtp.loss import IGNORE, default_weights, head_targets, heads_loss
+from mtp.training.loss import IGNORE, default_weights, head_targets, heads_loss
 
 VOCAB = 11
 

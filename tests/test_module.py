@@ -9,19 +9,19 @@ from safetensors.torch import load_file
 from torch.nn import functional as F
 
 from mtp.base import load_tokenizer
-from mtp.data import HeadsDataModule, collate, encode
-from mtp.heads import MedusaHeads
-from mtp.module import HeadsModule
-from mtp.rows import read_rows, to_example
-from tests.conftest import TINY_BASE, TINY_CHAT, trainer
+from mtp.drafters.heads import MedusaHeads
+from mtp.training.data import DrafterDataModule, collate, encode
+from mtp.training.module import DrafterModule
+from mtp.training.rows import read_rows, to_example
+from tests.conftest import TINY_BASE, TINY_CHAT, head_logits, trainer
 
 
 def test_training_leaves_the_base_untouched_and_optimises_only_the_heads(tmp_path):
-    module = HeadsModule(TINY_BASE, num_heads=3, lm_head="own", lr=1e-2)
+    module = DrafterModule(TINY_BASE, num_heads=3, lm_head="own", lr=1e-2)
     base_before = {name: tensor.clone() for name, tensor in module.base_model.state_dict().items()}
     heads_before = {name: tensor.clone() for name, tensor in module.heads.state_dict().items()}
     fit = trainer(tmp_path, max_steps=5, limit_val_batches=0)
-    fit.fit(module, HeadsDataModule(TINY_CHAT, TINY_BASE, batch_size=4))
+    fit.fit(module, DrafterDataModule(TINY_CHAT, TINY_BASE, batch_size=4))
 
     for name, tensor in module.base_model.state_dict().items():
         assert torch.equal(tensor, base_before[name]), name
@@ -58,8 +58,8 @@ def cycle_rows(path, rows=40, length=24, seed=0):
 
 @pytest.mark.parametrize("lm_head", ["shared", "own"])
 def test_heads_learn_a_predictable_future_far_above_chance(tmp_path, lm_head):
-    data = HeadsDataModule(cycle_rows(tmp_path / "cycle.jsonl"), TINY_BASE, batch_size=8, val_fraction=0.125)
-    module = HeadsModule(TINY_BASE, num_heads=3, lm_head=lm_head, lr=3e-3, warmup_steps=10)
+    data = DrafterDataModule(cycle_rows(tmp_path / "cycle.jsonl"), TINY_BASE, batch_size=8, val_fraction=0.125)
+    module = DrafterModule(TINY_BASE, num_heads=3, lm_head=lm_head, lr=3e-3, warmup_steps=10)
     fit = trainer(tmp_path, max_steps=120, check_val_every_n_epoch=None, val_check_interval=120)
     fit.fit(module, data)
     calibration = module.heads.config.calibration  # rank accuracies of the last validation run, saved with heads
@@ -94,20 +94,20 @@ class Restored(Callback):
 
 
 def test_a_run_stopped_midway_resumes_at_the_step_it_reached_with_its_heads_and_optimizer(tmp_path):
-    data = HeadsDataModule(TINY_CHAT, TINY_BASE, batch_size=4)
+    data = DrafterDataModule(TINY_CHAT, TINY_BASE, batch_size=4)
     every_2 = dict(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_last=True)
     with pytest.raises(RuntimeError, match="simulated crash"):
         trainer(tmp_path, 8, [ModelCheckpoint(**every_2), Crash()], limit_val_batches=0).fit(
-            HeadsModule(TINY_BASE), data
+            DrafterModule(TINY_BASE), data
         )
     checkpoint = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
     saved = checkpoint["state_dict"]
 
-    module, first, restored = HeadsModule(TINY_BASE), FirstStep(), Restored()
+    module, first, restored = DrafterModule(TINY_BASE), FirstStep(), Restored()
     fresh = {name: tensor.clone() for name, tensor in module.heads.state_dict().items()}
     resumed = trainer(tmp_path, 8, [ModelCheckpoint(**every_2), first, restored], limit_val_batches=0)
     resumed.fit(
-        module, HeadsDataModule(TINY_CHAT, TINY_BASE, batch_size=4), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt")
+        module, DrafterDataModule(TINY_CHAT, TINY_BASE, batch_size=4), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt")
     )
     assert first.first == 4 and resumed.global_step == 8
     # Not only the step counter: the heads restart from the saved weights (strict_loading=False would hide a key
@@ -127,17 +127,17 @@ def test_a_run_stopped_midway_resumes_at_the_step_it_reached_with_its_heads_and_
 
 def test_loss_weights_must_match_the_number_of_heads():
     with pytest.raises(ValueError, match="loss_weights has 2 entries for 4 heads"):
-        HeadsModule(TINY_BASE, num_heads=4, loss_weights=[1.0, 0.5])
+        DrafterModule(TINY_BASE, num_heads=4, loss_weights=[1.0, 0.5])
 
 
 def test_cached_hidden_states_train_the_same_heads_without_running_the_base_again(tmp_path):
     results = {}
     for cache_hidden in (False, True):
         torch.manual_seed(0)
-        module = HeadsModule(TINY_BASE, num_heads=2, lm_head="own", cache_hidden=cache_hidden)
+        module = DrafterModule(TINY_BASE, num_heads=2, lm_head="own", cache_hidden=cache_hidden)
         calls = []
         module.base_model.get_decoder().register_forward_hook(lambda *args, calls=calls: calls.append(1))
-        data = HeadsDataModule(TINY_CHAT, TINY_BASE, batch_size=8, val_fraction=0)
+        data = DrafterDataModule(TINY_CHAT, TINY_BASE, batch_size=8, val_fraction=0)
         trainer(tmp_path / str(cache_hidden), max_steps=-1, max_epochs=3, limit_val_batches=0).fit(module, data)
         results[cache_hidden] = (module.heads.state_dict(), len(calls), len(data.train_batches))
     (plain, plain_calls, batches), (cached, cached_calls, _) = results[False], results[True]
@@ -146,7 +146,7 @@ def test_cached_hidden_states_train_the_same_heads_without_running_the_base_agai
         torch.testing.assert_close(cached[name], tensor, rtol=1e-5, atol=1e-6)
 
 
-def hand_loss(module: HeadsModule, examples, weights: list[float], draft: list[int] | None = None) -> torch.Tensor:
+def hand_loss(module: DrafterModule, examples, weights: list[float], draft: list[int] | None = None) -> torch.Tensor:
     """The module's loss computed by hand, one unpadded example at a time: head k at position t against token
     t+k+2, wherever that token is in the example's loss mask; per head the mean over the batch, then weighted.
     With a draft vocabulary, the softmax runs over its tokens only and a target outside it is left out."""
@@ -173,7 +173,7 @@ def test_the_training_loss_is_the_hand_computed_one_on_assistant_tokens_at_t_plu
     every attended token; head k at position t is scored against token t+k+2; explicit loss_weights weight each
     head's loss as given."""
     weights = [1.0, 0.5, 2.0]  # neither the default decay nor decreasing
-    module = HeadsModule(TINY_BASE, num_heads=3, lm_head="own", loss_weights=weights)
+    module = DrafterModule(TINY_BASE, num_heads=3, lm_head="own", loss_weights=weights)
     torch.manual_seed(0)
     for parameter in module.heads.parameters():  # heads that differ from each other and from the base lm_head
         torch.nn.init.normal_(parameter, std=0.3)
@@ -189,7 +189,7 @@ def test_hydra_heads_read_the_true_tokens_after_t_and_the_teacher_is_the_base_mo
     """By hand, one position at a time: a Hydra head k at t reads the input embeddings of tokens t+1 .. t+k+1;
     with `teacher`, head k learns the base model's own distribution at t+k+1 (its prediction of token t+k+2)."""
     weights = [1.0, 0.5]
-    module = HeadsModule(TINY_BASE, num_heads=2, lm_head="own", loss_weights=weights, head_type=head_type,
+    module = DrafterModule(TINY_BASE, num_heads=2, lm_head="own", loss_weights=weights, head_type=head_type,
                          teacher=teacher)  # fmt: skip
     torch.manual_seed(0)
     for parameter in module.heads.parameters():
@@ -204,7 +204,7 @@ def test_hydra_heads_read_the_true_tokens_after_t_and_the_teacher_is_the_base_mo
             for t in range(len(ids) - k - 2):
                 if mask[t + k + 2]:
                     following = embed(ids[t + 1 : t + k + 2])[None]  # (1, k+1, H): tokens t+1 .. t+k+1
-                    logits = module.heads(hidden[t][None], lm_head, k + 1, following)[k, 0]  # (V,)
+                    logits = head_logits(module.heads, k, hidden[t][None], lm_head, following)[0]  # (V,)
                     target = lm_head(hidden[t + k + 1]).softmax(-1) if teacher else ids[t + k + 2]
                     sums[k] += F.cross_entropy(logits, target)
                     counts[k] += 1
@@ -215,7 +215,7 @@ def test_hydra_heads_read_the_true_tokens_after_t_and_the_teacher_is_the_base_mo
 @torch.no_grad()
 @pytest.mark.parametrize("lm_head", ["shared", "own"])
 def test_with_a_draft_vocabulary_the_loss_ranks_its_tokens_only_and_a_target_outside_it_is_a_miss(lm_head):
-    module = HeadsModule(TINY_BASE, num_heads=2, lm_head=lm_head)
+    module = DrafterModule(TINY_BASE, num_heads=2, lm_head=lm_head)
     torch.manual_seed(0)
     for parameter in module.heads.parameters():
         torch.nn.init.normal_(parameter, std=0.3)
@@ -251,8 +251,8 @@ class LearningRates(Callback):
 
 def test_the_learning_rate_warms_up_linearly_then_decays_along_a_cosine(tmp_path):
     rates = LearningRates()
-    module = HeadsModule(TINY_BASE, num_heads=1, lr=1e-2, warmup_steps=3)
-    data = HeadsDataModule(TINY_CHAT, TINY_BASE, batch_size=8)
+    module = DrafterModule(TINY_BASE, num_heads=1, lr=1e-2, warmup_steps=3)
+    data = DrafterDataModule(TINY_CHAT, TINY_BASE, batch_size=8)
     trainer(tmp_path, 10, [rates], limit_val_batches=0).fit(module, data)
     # steps 0-2: (step + 1) / 4 of the peak; steps 3-9: (1 + cos(pi * (step - 3) / 7)) / 2, cos(pi/7) = 0.90097,
     # cos(2 pi/7) = 0.62349, cos(3 pi/7) = 0.22252 (and cos(pi - x) = -cos(x))
@@ -261,8 +261,8 @@ def test_the_learning_rate_warms_up_linearly_then_decays_along_a_cosine(tmp_path
 
 
 def test_the_draft_vocabulary_is_the_most_frequent_training_targets_and_is_saved(tmp_path):
-    module = HeadsModule(TINY_BASE, num_heads=2, draft_vocab=20)
-    data = HeadsDataModule(TINY_CHAT, TINY_BASE, batch_size=8)
+    module = DrafterModule(TINY_BASE, num_heads=2, draft_vocab=20)
+    data = DrafterDataModule(TINY_CHAT, TINY_BASE, batch_size=8)
     trainer(tmp_path, 2, [], limit_val_batches=0).fit(module, data)
     targets = torch.cat([ids[mask] for ids, mask, _ in data.train_examples])
     counts = torch.bincount(targets, minlength=module.heads.config.vocab_size)
@@ -271,4 +271,4 @@ def test_the_draft_vocabulary_is_the_most_frequent_training_targets_and_is_saved
     (saved,) = tmp_path.rglob("heads/config.json")
     assert json.loads(saved.read_text())["draft_vocab"] == draft
     with pytest.raises(ValueError, match="draft_vocab=-1"):
-        HeadsModule(TINY_BASE, draft_vocab=-1)
+        DrafterModule(TINY_BASE, draft_vocab=-1)

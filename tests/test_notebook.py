@@ -3,7 +3,7 @@ import json
 import nbformat
 from nbclient import NotebookClient
 
-from mtp.heads import MedusaHeads
+from mtp.drafters.heads import MedusaHeads
 from tests.conftest import DATA, ROOT, save_random_heads
 
 
@@ -24,5 +24,5 @@ def test_the_evaluation_notebook_runs_end_to_end_on_a_tiny_model(tmp_path, monke
     assert not [output for output in outputs if output.output_type == "error"]
     assert sum(output.output_type == "display_data" and "image/png" in output.data for output in outputs) == 4
     text = "".join(output.get("text", "") for output in outputs)
-    assert "| overall | 2 |" in text and "mtp.sizing's choice on this machine" in text
+    assert "| overall | 2 |" in text and "mtp.tools.sizing's choice on this machine" in text
     assert json.loads(bench.read_text())["summary"]["overall"]["mismatches"] == 0  # it ran the benchmark itself

@@ -5,14 +5,14 @@ import pytest
 import torch
 
 import mtp
-import mtp.costs
+import mtp.decoding.costs
 from mtp.base import load_tokenizer
-from mtp.batch import Row
-from mtp.costs import fit
-from mtp.decoding import Decoder
-from mtp.heads import MedusaHeads
-from mtp.pacing import MIN_RETURN, RETURN, Candidate, Pacer, Plan
-from mtp.tree import Tree, grow_tree
+from mtp.decoding.batch import Row
+from mtp.decoding.costs import fit
+from mtp.decoding.decoder import Decoder
+from mtp.decoding.pacing import MIN_RETURN, RETURN, Candidate, Pacer, Plan
+from mtp.decoding.tree import Tree, grow_tree
+from mtp.drafters.heads import MedusaHeads
 from tests.conftest import PROMPT, TINY_BASE, OracleHeads, random_heads, reference, save_random_heads, tiny_model
 
 CALIBRATION = [[0.6, 0.2, 0.1], [0.5, 0.3, 0.1], [0.4, 0.2, 0.1]]
@@ -37,7 +37,7 @@ def fake_timings(monkeypatch, timings: dict[int, list[float]]) -> list[int]:
         asked.append(batch)
         return timings[batch]
 
-    monkeypatch.setattr(mtp.costs, "measure_steps", measure)
+    monkeypatch.setattr(mtp.decoding.costs, "measure_steps", measure)
     return asked
 
 
@@ -79,7 +79,7 @@ def test_costs_are_measured_once_per_machine_and_the_first_time_said_in_one_line
     assert asked == [1] and chosen.tree.size == 4 and list(chosen.pacer.plans) == [1]
     assert len(chosen.pacer.plans[1]) == 1
     # another machine (or thread count) is timed anew
-    monkeypatch.setattr(mtp.costs, "device_name", lambda device: "Another CPU x3 threads")
+    monkeypatch.setattr(mtp.decoding.costs, "device_name", lambda device: "Another CPU x3 threads")
     mtp.load(path)
     assert asked == [1, 1] and "Another CPU x3 threads" in capsys.readouterr().err
 

@@ -5,14 +5,14 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-import mtp.acceptance
-from mtp.decoding import Decoder
-from mtp.lookup import Lookup
-from mtp.sampling import Sampling
-from mtp.tree import DynamicTree
+import mtp.decoding.acceptance
+from mtp.decoding.decoder import Decoder
+from mtp.decoding.lookup import Lookup
+from mtp.decoding.sampling import Sampling
+from mtp.decoding.tree import DynamicTree
 from tests.conftest import SMALL_VOCAB_PROMPT as PROMPT
 from tests.conftest import SMALL_VOCAB_TREE as TREE
-from tests.conftest import chi_square_z, exact_joint, random_heads, reference, small_vocab_decoder, tiny_model
+from tests.conftest import chi_square_z, exact_joint, passes, random_heads, reference, small_vocab_decoder, tiny_model
 
 
 def sample(decoder: Decoder, sampling: Sampling, n: int) -> tuple[Counter, Counter]:
@@ -21,7 +21,7 @@ def sample(decoder: Decoder, sampling: Sampling, n: int) -> tuple[Counter, Count
     found, settled = Counter(), Counter()
     for i in range(n):
         tokens = []
-        for step, (block, accepted_by) in enumerate(decoder.steps(PROMPT, replace(sampling, seed=sampling.seed + i))):
+        for step, (block, accepted_by) in enumerate(passes(decoder, PROMPT, replace(sampling, seed=sampling.seed + i))):
             tokens += block
             settled[len(block)] += step > 0
             settled["lookup"] += accepted_by.get("lookup", 0)
@@ -73,10 +73,10 @@ def test_the_distribution_test_catches_a_rule_that_accepts_every_guess(monkeypat
         nodes = [0]
         while children[nodes[-1]]:
             nodes.append(children[nodes[-1]][0])
-        return nodes, mtp.acceptance.draw(sampling.probabilities(logits[nodes[-1]]), generator)
+        return nodes, mtp.decoding.acceptance.draw(sampling.probabilities(logits[nodes[-1]]), generator)
 
     decoder, sampling = small_vocab_decoder(), SETTINGS[0]
-    monkeypatch.setattr(mtp.acceptance, "accept_exact", accept_always)
+    monkeypatch.setattr(mtp.decoding.acceptance, "accept_exact", accept_always)
     found, _ = sample(decoder, sampling, 2_000)
     with pytest.raises(AssertionError, match="cannot produce|chi"):
         assert chi_square_z(found, exact_joint(decoder.base_model, sampling)) < 4, "chi-square rejects"
@@ -103,7 +103,7 @@ def test_every_sampled_token_is_in_the_support_that_top_k_and_top_p_leave(sampli
     decoder = small_vocab_decoder()
     for i in range(20):
         tokens = []
-        for block, _ in decoder.steps(PROMPT, replace(sampling, seed=i)):
+        for block, _ in passes(decoder, PROMPT, replace(sampling, seed=i)):
             tokens += block
             if len(tokens) >= 12:
                 break
@@ -122,7 +122,7 @@ def test_temperature_zero_is_greedy_and_a_seed_makes_a_run_reproducible():
     for sampling in [Sampling(temperature=0, top_k=5, seed=3), Sampling(temperature=0.9, seed=1),
                      Sampling(temperature=0.9, seed=1), Sampling(temperature=0.9, seed=2)]:  # fmt: skip
         tokens = []
-        for block, _ in decoder.steps(prompt, sampling):
+        for block, _ in passes(decoder, prompt, sampling):
             tokens += block
             if len(tokens) >= 24:
                 break

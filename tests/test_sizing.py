@@ -4,24 +4,18 @@ import pytest
 import torch
 
 import mtp
-import mtp.costs
-import mtp.sizing
+import mtp.decoding.costs
+import mtp.tools.sizing
 from mtp.base import load_tokenizer
-from mtp.costs import SIZES, step_costs
-from mtp.decoding import Decoder
-from mtp.folder import Drafter
-from mtp.heads import MedusaHeads
-from mtp.lookup import FULL, Lookup
-from mtp.pacing import Candidate
-from mtp.sizing import (
-    acceptance,
-    grown_accepts,
-    held_out_roots,
-    simulate,
-    size_tree,
-    spread,
-)
-from mtp.tree import DynamicTree, Tree, grow_tree, named_tree
+from mtp.decoding.costs import SIZES, step_costs
+from mtp.decoding.decoder import Decoder
+from mtp.decoding.lookup import FULL, Lookup
+from mtp.decoding.pacing import Candidate
+from mtp.decoding.tree import DynamicTree, Tree, grow_tree, named_tree
+from mtp.drafters.contract import Drafter
+from mtp.drafters.heads import MedusaHeads
+from mtp.tools.simulate import acceptance, grown_accepts, held_out_roots, simulate, spread
+from mtp.tools.sizing import size_tree
 from tests.conftest import PROMPT, TINY_BASE, random_heads, reference, save_random_heads, tiny_model
 
 # Two heads, three ranks: head 0 is right at rank 0 60% of the time, and so on.
@@ -76,7 +70,7 @@ def test_the_expected_speedup_is_tau_times_the_plain_step_over_the_tree_step(tmp
     """Fixed step timings instead of measured ones, and figures computed by hand from them."""
     monkeypatch.setenv("MTP_CACHE", str(tmp_path / "cache"))
     measured = [0.04, 0.05, 0.06, 0.08, 0.10]  # seconds per step of sizes 1, 2, 3, 4, 6
-    monkeypatch.setattr(mtp.sizing, "measure_steps", lambda *args, **kwargs: measured)
+    monkeypatch.setattr(mtp.tools.sizing, "measure_steps", lambda *args, **kwargs: measured)
     path, _, _ = save_random_heads(tmp_path)
     heads = MedusaHeads.from_pretrained(path)
     heads.config.calibration = CALIBRATION + [[0.0, 0.0, 0.0]]  # the third head never right: no node below it
@@ -137,15 +131,15 @@ def test_what_each_candidate_accepts_per_step_counted_by_hand():
 
 def test_sizing_with_held_out_answers_simulates_each_size_and_saves_the_best_tree_and_lookup(tmp_path, monkeypatch):
     monkeypatch.setenv("MTP_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(mtp.sizing, "measure_steps", lambda *args, **kwargs: [0.04, 0.05, 0.06, 0.08, 0.10])
+    monkeypatch.setattr(mtp.tools.sizing, "measure_steps", lambda *args, **kwargs: [0.04, 0.05, 0.06, 0.08, 0.10])
     # an answer of 9 tokens that copies earlier text: at each root, a 2-token match whose chain is right to the
     # end; the heads never right
     left = torch.arange(8, 0, -1)
     copy = {"left": left, "order": torch.full((8, 2), 6), "match": torch.full((8,), 2),
             "chain": torch.full((8,), 10), "right": left}  # fmt: skip
-    monkeypatch.setattr(mtp.sizing, "held_out_roots", lambda *args: copy)
+    monkeypatch.setattr(mtp.tools.sizing, "held_out_roots", lambda *args: copy)
     dynamic = [{"plan": "dynamic:4:2:2", "speedup": 1.5, "static_speedup": 1.6, "lengths": [1]}]  # static wins
-    monkeypatch.setattr(mtp.sizing, "dynamic_trees", lambda *args: dynamic)
+    monkeypatch.setattr(mtp.tools.sizing, "dynamic_trees", lambda *args: dynamic)
     path, _, _ = save_random_heads(tmp_path)
     heads = MedusaHeads.from_pretrained(path)
     heads.config.calibration = CALIBRATION + [[0.0, 0.0, 0.0]]
@@ -168,7 +162,7 @@ def test_sizing_with_held_out_answers_simulates_each_size_and_saves_the_best_tre
     saved = MedusaHeads.from_pretrained(path).config.acceptance
     assert {(row["size"], tuple(row["lookup"])) for row in saved} >= {(1, ()), (1, (0, 7)), (1, (FULL,) * 3)}
     assert {row["size"] for row in saved} == {1, 2, 3, 4, 6}
-    monkeypatch.setattr(mtp.costs, "measure_steps", lambda *args, **kwargs: [0.04, 0.05, 0.06, 0.08, 0.10])
+    monkeypatch.setattr(mtp.decoding.costs, "measure_steps", lambda *args, **kwargs: [0.04, 0.05, 0.06, 0.08, 0.10])
     decoder = mtp.load(path)
     assert decoder.tree.size == 1 and decoder.lookup.lengths == (0, 7)
     assert [len(options) for options in mtp.load(path, tree="chain").pacer.plans.values()] == [1]

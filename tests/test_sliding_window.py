@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from mtp.cache import attention_windows, keep_accepted, tree_attention_mask
-from mtp.decoding import Decoder
-from tests.conftest import SLIDING, TREE, WINDOW, OracleHeads, random_heads, reference, tiny_model
+from mtp.decoding.cache import attention_windows, keep_accepted, tree_attention_mask
+from mtp.decoding.decoder import Decoder
+from tests.conftest import SLIDING, TREE, WINDOW, OracleHeads, passes, random_heads, reference, tiny_model
 
 PROMPT = torch.tensor([[5, 77, 300, 12, 9, 41, 250, 3, 18, 460, 101, 66]])  # 12 tokens: the window is passed soon
 
@@ -30,7 +30,7 @@ def test_greedy_tree_decoding_far_past_the_window_equals_generate(model_type):
     oracle = OracleHeads(model, torch.cat([PROMPT[0], torch.tensor(expected)]), num_heads=4)
     tokens, lengths = [], []
     for heads in (oracle, *(random_heads(model, head_type=kind) for kind in ("medusa", "hydra", "eagle"))):
-        loop = Decoder(model, None, heads, TREE).steps(PROMPT)
+        loop = passes(Decoder(model, None, heads, TREE), PROMPT)
         run = []
         while len(run) < 80:  # 12 + 80 positions: more than five windows
             block, _ = next(loop)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import mtp
-from mtp.decoding import Decoder, GenerationResult
-from mtp.folder import Drafter, HeadsConfig, base_identity
-from mtp.heads import MedusaHeads
+from mtp.decoding.decoder import Decoder, GenerationResult
+from mtp.drafters.contract import Drafter, DrafterConfig, base_identity
+from mtp.drafters.heads import MedusaHeads
 from tests.conftest import PROMPT, ROOT, TINY_BASE, TREE, OracleHeads, reference, save_random_heads, tiny_model
 
 pytestmark = pytest.mark.usefixtures("tokenizer")
@@ -134,7 +134,7 @@ def test_load_gives_a_lossless_decoder_for_saved_heads(tmp_path, head_type):
 def test_heads_for_another_base_are_refused_at_load(tmp_path):
     model, tokenizer = mtp.base.load_base(TINY_BASE)
     identity = {**base_identity("a narrower model", model, tokenizer), "hidden_size": 32}
-    MedusaHeads(HeadsConfig(num_heads=2, **identity)).save_pretrained(tmp_path / "heads")
+    MedusaHeads(DrafterConfig(num_heads=2, **identity)).save_pretrained(tmp_path / "heads")
     path = str(tmp_path / "heads")
     with pytest.raises(ValueError, match=r"trained for base model 'a narrower model'.*hidden 32.*not for .*hidden 64"):
         mtp.load(path, base_model=TINY_BASE)
@@ -144,7 +144,7 @@ def test_decode_py_answers_prompts_as_json_lines(tmp_path):
     path, _, _ = save_random_heads(tmp_path)
     prompts = tmp_path / "questions.jsonl"
     prompts.write_text(json.dumps({"question_id": 1, "category": "x", "turns": ["Count to 5.", "And to 6?"]}) + "\n")
-    command = [sys.executable, str(ROOT / "decode.py"), "--heads", path, "--prompts-file", str(prompts), "--json",
+    command = [sys.executable, str(ROOT / "decode.py"), "--drafter", path, "--prompts-file", str(prompts), "--json",
                "--max-new-tokens", "12", "--tree", "chain"]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -162,7 +162,7 @@ def test_decode_py_answers_a_file_in_batches_as_one_by_one(tmp_path):
     prompts = tmp_path / "questions.jsonl"
     rows = [{"turns": ["Count to 5.", "And to 6?"]}, {"prompt": "Hi"}, {"turns": ["Name three colours, then stop."]}]
     prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    command = [sys.executable, str(ROOT / "decode.py"), "--heads", path, "--prompts-file", str(prompts), "--json",
+    command = [sys.executable, str(ROOT / "decode.py"), "--drafter", path, "--prompts-file", str(prompts), "--json",
                "--max-new-tokens", "12"]  # fmt: skip
     runs = [subprocess.run(command + ["--batch-size", size], cwd=ROOT, capture_output=True, text=True, timeout=300)
             for size in ("1", "2")]  # fmt: skip
@@ -198,7 +198,7 @@ def test_decode_py_chats_interactively_without_heads_until_input_ends():
 
 def test_decode_py_samples_reproducibly_with_a_seed_and_refuses_bad_settings(tmp_path):
     path, _, _ = save_random_heads(tmp_path)
-    command = [sys.executable, str(ROOT / "decode.py"), "--heads", path, "--prompt", "Count to 5.", "--json",
+    command = [sys.executable, str(ROOT / "decode.py"), "--drafter", path, "--prompt", "Count to 5.", "--json",
                "--max-new-tokens", "16", "--temperature", "1.0", "--top-k", "50"]  # fmt: skip
     runs = [subprocess.run(command + ["--seed", seed], cwd=ROOT, capture_output=True, text=True, timeout=300)
             for seed in ("1", "1", "2")]  # fmt: skip

@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mtp.tree import Tree
+from mtp.decoding.tree import Tree
 
 
 @st.composite
@@ -58,7 +58,7 @@ def test_invalid_trees_are_clear_errors(paths, message):
 
 
 def test_named_trees_are_valid_and_sized_as_documented():
-    from mtp.tree import NAMED_TREES, named_tree
+    from mtp.decoding.tree import NAMED_TREES, named_tree
 
     assert {name: named_tree(name, num_heads=4).size for name in NAMED_TREES} == {
         "chain": 5, "small": 9, "medium": 17, "large": 33

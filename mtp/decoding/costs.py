@@ -1,6 +1,6 @@
 """Step costs of this machine, measured once: the seconds of a decoding step that verifies n tree nodes over B
 rows, for the base model and drafter at hand, cached per machine (`mtp.machine.measured`: device, threads, torch,
-dtype, base model and drafter); and the pacing they give a drafter's candidates (`fit`, see `mtp.pacing`)."""
+dtype, base model and drafter); and the pacing they give a drafter's candidates (`fit`, see `mtp.decoding.pacing`)."""
 
 import sys
 import time
@@ -8,14 +8,14 @@ from contextlib import nullcontext
 
 import torch
 
-from mtp.decoding import Decoder
-from mtp.folder import Drafter
+from mtp.decoding.decoder import Decoder
+from mtp.decoding.lookup import Lookup
+from mtp.decoding.pacing import Candidate, Pacer, Plan, fastest
+from mtp.decoding.sampling import GREEDY
+from mtp.decoding.tree import Path, Tree
+from mtp.drafters.contract import Drafter
 from mtp.linears import usual_linears
-from mtp.lookup import Lookup
 from mtp.machine import cache_dir, device_name, measured
-from mtp.pacing import Candidate, Pacer, Plan, fastest
-from mtp.sampling import GREEDY
-from mtp.tree import Path, Tree
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # tree sizes (root included) timed on the device
 BATCH_MAX_NODES = 16  # the largest tree timed for a step over several rows (a batch pays each node B times)
@@ -97,8 +97,8 @@ def machine_key(model, heads: Drafter, context: int = CONTEXT) -> str:
 
 
 def candidates(config, paths: list[Path], expected: list[float]) -> list[Candidate]:
-    """A drafter's candidates: those its folder saved (`HeadsConfig.acceptance`), else the trees of every timed
-    size grown from its calibration (`paths`, with the `expected` tau of each size: `mtp.tree.grow_tree`)."""
+    """A drafter's candidates: those its folder saved (`DrafterConfig.acceptance`), else the trees of every timed
+    size grown from its calibration (`paths`, with the `expected` tau of each size: `mtp.decoding.tree.grow_tree`)."""
     if config.acceptance:
         return [Candidate.from_dict(saved) for saved in config.acceptance]
     return [Candidate(size, (), expected[size - 1] - 1.0, depth=max(map(len, paths[: size - 1]), default=0))

@@ -1,9 +1,10 @@
-"""How far the adapter trained with the heads moved the base model (`HeadsModule(lora=...)`): on the held-out
+"""How far the adapter trained with the heads moved the base model (`DrafterModule(lora=...)`): on the held-out
 answers of their training data, the adapted model against the original (the same network with its adapters off):
 teacher-forced top-1 agreement and mean KL(original || adapted) of the next-token distributions at every answer
 token, and the share of held-out prompts whose greedy answers are identical over --max-new-tokens tokens.
 
-    python -m mtp.drift --heads HEADS --data TRAINING_DATA [--val-data ANSWERS] [--prompts 20] [--max-new-tokens 128]
+    python -m mtp.tools.drift --drafter DRAFTER --data TRAINING_DATA [--val-data ANSWERS] [--prompts 20]
+        [--max-new-tokens 128]
 """
 
 import argparse
@@ -12,10 +13,10 @@ import json
 import torch
 from torch.nn import functional as F
 
-from mtp.cli import user_errors
-from mtp.data import add_held_out_arguments, held_out
-from mtp.folder import Drafter, load_with_base
-from mtp.module import divergence
+from mtp.drafters.contract import Drafter, load_with_base
+from mtp.tools.cli import user_errors
+from mtp.training.data import add_held_out_arguments, held_out
+from mtp.training.lora import divergence
 
 
 @torch.no_grad()
@@ -51,14 +52,14 @@ def drift(heads_path: str, examples: list, prompts: int, max_new_tokens: int, de
 @user_errors
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--heads", required=True, help="heads folder with an adapter")
+    parser.add_argument("--drafter", "--heads", required=True, help="drafter folder with an adapter")
     add_held_out_arguments(parser)
     parser.add_argument("--prompts", type=int, default=20, help="held-out prompts answered greedily by both models")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
-    examples = held_out(args, Drafter.from_pretrained(args.heads).config.base_model).val_examples
-    found = drift(args.heads, examples, args.prompts, args.max_new_tokens, args.device)
+    examples = held_out(args, Drafter.from_pretrained(args.drafter).config.base_model).val_examples
+    found = drift(args.drafter, examples, args.prompts, args.max_new_tokens, args.device)
     print(
         f"Over {found['answer_tokens']} held-out answer tokens: top-1 agreement {found['agreement']:.2%}, mean KL "
         f"{found['kl']:.4f} nats; identical greedy answers ({args.max_new_tokens} tokens): {found['identical']:.0%} "

@@ -24,7 +24,7 @@ _SHAREGPT_ROLES = {
 
 def read_rows(source: str, split: str = "train") -> list[dict]:
     """Rows of a JSON list or JSON-lines file (`.jsonl.gz`: gzip-compressed); of a folder: every JSON-lines file
-    in it and below, in path order (such as the parts `mtp.distill` writes), else a `datasets` folder
+    in it and below, in path order (such as the parts `mtp.training.distill` writes), else a `datasets` folder
     (`save_to_disk` or data files); or of a Hugging Face `datasets` id."""
     path = Path(source).expanduser()
     if path.name.endswith((".json", ".jsonl", ".jsonl.gz")):

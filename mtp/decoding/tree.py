@@ -25,8 +25,8 @@ class Tree:
     ranks: torch.Tensor
     """(N+1,) rank of each node's token in its head's top-k (-1: the root, and grafted nodes, which have none)."""
     sources: torch.Tensor
-    """(N+1,) which drafter of the step proposed each node (see `mtp.drafting`): 0 for the nodes of the paths, the
-    grafting one's number for grafted nodes; -1 for the root."""
+    """(N+1,) which drafter of the step proposed each node (`mtp.decoding.proposer`): 0 for the nodes of the paths,
+    the grafting one's number for grafted nodes; -1 for the root."""
     mask: torch.Tensor
     """(N+1, N+1) bool: mask[i, j] iff node j is node i or one of its ancestors."""
     retrieve: torch.Tensor
@@ -61,8 +61,8 @@ class Tree:
     @classmethod
     def from_parents(cls, parents: list[int], ranks: list[int], scores: torch.Tensor) -> "Tree":
         """The tree whose node i has parent parents[i] (< i; -1 for the root, node 0), is its parent's child of
-        rank ranks[i] and has joint draft log-probability scores[i]: one grown for a single step (`mtp.drafting`);
-        nodes keep their order."""
+        rank ranks[i] and has joint draft log-probability scores[i]: one grown for a single step
+        (`mtp.decoding.proposer`); nodes keep their order."""
         paths = [()]
         for parent, rank in zip(parents[1:], ranks[1:], strict=True):
             paths.append(paths[parent] + (rank,))

@@ -8,10 +8,16 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import PreTrainedModel
 
-from mtp.drafting import TreeProposer
-from mtp.folder import Drafter, HeadsConfig
-from mtp.loss import following_tokens
-from mtp.target import Target
+from mtp.decoding.proposer import TreeProposer
+from mtp.decoding.target import Target
+from mtp.drafters.contract import Drafter, DrafterConfig
+
+
+def following_tokens(input_ids: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """(B, T) -> (B, T, K): [b, t, j] is token t+1+j (0 past the end), what head j-1 and later ones read at t."""
+    length = input_ids.shape[1]
+    padded = F.pad(input_ids, (0, num_heads))  # (B, T+K)
+    return torch.stack([padded[:, 1 + j : 1 + j + length] for j in range(num_heads)], -1)  # (B, T, K)
 
 
 class ResidualBlock(nn.Module):
@@ -37,7 +43,7 @@ class Heads(Drafter):
     projection as a copy of the base lm_head); training moves head k to token t+k+2.
     """
 
-    def __init__(self, config: HeadsConfig, lm_head_weight: torch.Tensor | None = None):
+    def __init__(self, config: DrafterConfig, lm_head_weight: torch.Tensor | None = None):
         super().__init__()
         self.config = config
         hidden, vocab = config.hidden_size, config.vocab_size
@@ -53,7 +59,7 @@ class Heads(Drafter):
                     projection.weight.data.copy_(lm_head_weight)
 
     @classmethod
-    def new(cls, config: HeadsConfig, base_model: PreTrainedModel) -> "Heads":
+    def new(cls, config: DrafterConfig, base_model: PreTrainedModel) -> "Heads":
         """New heads for `base_model` (an `own` projection starts as a copy of its lm_head)."""
         return cls(config, base_model.get_output_embeddings().weight.detach())
 
@@ -63,7 +69,7 @@ class Heads(Drafter):
         return self.config.num_heads
 
     def proposer(self, target: Target, cut: dict) -> "HeadsProposer":
-        """These heads drafting over the rows of a batch (see `mtp.drafting`), on the trees of each step's plan."""
+        """These heads drafting over the rows of a batch (`mtp.decoding.proposer`), on the trees of each step's plan."""
         return HeadsProposer(self, target, cut)
 
     def teacher_forced(self, hidden, features, input_ids, keep, base_lm_head, embed) -> tuple[torch.Tensor, ...]:
@@ -92,20 +98,10 @@ class Heads(Drafter):
         """
         raise NotImplementedError
 
-    def forward(
-        self, hidden: torch.Tensor, base_lm_head: nn.Module, num_heads: int | None = None, following=None
-    ) -> torch.Tensor:
-        """Logits over the whole vocabulary of the first `num_heads` heads (default: all): hidden (..., H) ->
-        (K, ..., V); `following` as in `state`."""
-        return self._project(self._states(hidden, following, 0, num_heads or self.config.num_heads), base_lm_head)
-
-    def draft_logits(
-        self, hidden: torch.Tensor, base_lm_head: nn.Module, num_heads: int | None = None, following=None, first=0
-    ) -> torch.Tensor:
-        """Logits over the draft vocabulary only (column n: token `draft_vocab[n]`) of heads first ..
-        first+num_heads-1 (default: all from first): hidden (..., H) -> (K, ..., N)."""
-        last = self.config.num_heads if num_heads is None else first + num_heads
-        return self._draft_project(self._states(hidden, following, first, last), base_lm_head, first)
+    def forward(self, hidden: torch.Tensor, base_lm_head: nn.Module, following=None) -> torch.Tensor:
+        """Every head's logits over the whole vocabulary: hidden (..., H) -> (K, ..., V); `following` as in
+        `state`."""
+        return self._project(self._states(hidden, following, 0, self.config.num_heads), base_lm_head)
 
     def _logits(self, states: torch.Tensor, base_lm_head: nn.Module, first: int = 0) -> torch.Tensor:
         """Logits of heads first .. first+K-1 from their states (K, ..., H): over the draft vocabulary if there is
@@ -163,7 +159,7 @@ class Heads(Drafter):
         weights = load_file(found) if found.suffix == ".safetensors" else torch.load(found, weights_only=True)
         num_heads, num_layers = raw["medusa_num_heads"], raw.get("medusa_num_layers", 1)
         vocab_size, hidden_size = weights.get(f"0.{num_layers}.weight", torch.empty(0, 0)).shape
-        config = HeadsConfig(num_heads=num_heads, num_layers=num_layers, lm_head="own", hidden_size=hidden_size,
+        config = DrafterConfig(num_heads=num_heads, num_layers=num_layers, lm_head="own", hidden_size=hidden_size,
                              vocab_size=vocab_size, base_model=raw.get("base_model_name_or_path") or "")  # fmt: skip
         names = {f"projections.{h}.weight": f"{h}.{num_layers}.weight" for h in range(num_heads)}
         for h in range(num_heads):
@@ -201,7 +197,7 @@ class HydraHeads(Heads, kind="hydra"):
 
     reads_path = True
 
-    def __init__(self, config: HeadsConfig, lm_head_weight: torch.Tensor | None = None):
+    def __init__(self, config: DrafterConfig, lm_head_weight: torch.Tensor | None = None):
         super().__init__(config, lm_head_weight)
         hidden = config.hidden_size
         self.inputs = nn.ModuleList(nn.Linear((k + 2) * hidden, hidden) for k in range(config.num_heads))

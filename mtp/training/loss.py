@@ -1,9 +1,12 @@
-"""The offset rule (head k at position t predicts token t+k+2) and the weighted multi-head loss."""
+"""The offset rule (head k at position t predicts token t+k+2), the weighted multi-head loss, and the accuracy of each
+head's ranked guesses."""
 
 import torch
 from torch.nn import functional as F
+from torchmetrics import Metric
 
 IGNORE = -100
+RANKS = 10  # calibration: how often each head's rank-r guess is right, r < RANKS
 
 
 def head_offset(k: int) -> int:
@@ -30,13 +33,6 @@ def head_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, num_heads: in
             future = input_ids[:, offset:]  # (B, T - offset)
             targets[k, :, : length - offset] = future.masked_fill(~loss_mask[:, offset:], IGNORE)
     return targets
-
-
-def following_tokens(input_ids: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """(B, T) -> (B, T, K): [b, t, j] is token t+1+j (0 past the end), what head j-1 and later ones read at t."""
-    length = input_ids.shape[1]
-    padded = F.pad(input_ids, (0, num_heads))  # (B, T+K)
-    return torch.stack([padded[:, 1 + j : 1 + j + length] for j in range(num_heads)], -1)  # (B, T, K)
 
 
 def shifted(hidden: torch.Tensor, offset: int) -> torch.Tensor:
@@ -91,3 +87,27 @@ def feature_regression(outputs: torch.Tensor, wanted: torch.Tensor, targets: tor
     valid = targets != IGNORE  # (K, N)
     per_step = (distance * valid).sum(1) / valid.sum(1).clamp(min=1)  # (K,)
     return (per_step * per_step.new_tensor(weights)).sum()
+
+
+class RankAccuracy(Metric):
+    """Per head, the fraction of positions where the head's rank-r guess is the target, for r < RANKS."""
+
+    def __init__(self, num_heads: int):
+        super().__init__()
+        self.add_state("hits", torch.zeros(num_heads, RANKS), dist_reduce_fx="sum")
+        self.add_state("positions", torch.zeros(num_heads), dist_reduce_fx="sum")
+
+    def update(self, hits: torch.Tensor, valid: torch.Tensor) -> None:
+        """hits (K, N, RANKS): head k's rank-r guess at position n is the target; valid (K, N): n has a target."""
+        self.hits += (hits & valid.unsqueeze(-1)).sum(1).float()
+        self.positions += valid.sum(1).float()
+
+    def compute(self) -> torch.Tensor:
+        return self.hits / self.positions.clamp(min=1).unsqueeze(-1)  # (K, RANKS)
+
+
+def draft_columns(targets: torch.Tensor, draft_vocab: list[int], vocab_size: int) -> torch.Tensor:
+    """Each target token's column among the draft vocabulary's logits; IGNORE where it is IGNORE or outside."""
+    columns = targets.new_full((vocab_size,), IGNORE)  # (V,)
+    columns[draft_vocab] = torch.arange(len(draft_vocab), device=targets.device)
+    return columns[targets.clamp(min=0)].masked_fill(targets == IGNORE, IGNORE)  # targets' shape

@@ -1,7 +1,7 @@
 """Rows in flight: B prompts decoded together, one verification pass of the base model over every row's tree per
 step, each row accepting its own number of tokens. A single prompt is the batch of one.
 
-A row joins with a prefill of its own prompt alone (its cache appended as a new row, see `mtp.cache`), so its
+A row joins with a prefill of its own prompt alone (its cache appended as a new row, see `mtp.decoding.cache`), so its
 logits are exactly those of the prompt decoded alone and a waiting prompt can take the place of a finished one
 at once; a row leaves as soon as its caller says it is done, and costs nothing after.
 """
@@ -13,14 +13,14 @@ import torch
 from torch.profiler import record_function
 from transformers import DynamicCache
 
-from mtp import acceptance
-from mtp.acceptance import draw
-from mtp.cache import append_rows, grouped_keys, keep_accepted, keep_rows, tree_attention_mask
-from mtp.drafting import Proposer
-from mtp.pacing import Pacer, Plan, Skill
-from mtp.sampling import Sampling
-from mtp.target import States, Target
-from mtp.tree import Tree
+from mtp.decoding import acceptance
+from mtp.decoding.acceptance import draw
+from mtp.decoding.cache import append_rows, grouped_keys, keep_accepted, keep_rows, tree_attention_mask
+from mtp.decoding.pacing import Pacer, Plan, Skill
+from mtp.decoding.proposer import Proposer
+from mtp.decoding.sampling import Sampling
+from mtp.decoding.target import States, Target
+from mtp.decoding.tree import Tree
 
 
 @dataclass
@@ -36,7 +36,7 @@ class Row:
     tree_skill: Skill = field(default_factory=Skill)
     lookup_skill: Skill = field(default_factory=Skill)
     """How many times the average the tree's and lookup's candidates are accepted in this row of late (see
-    `mtp.pacing`)."""
+    `mtp.decoding.pacing`)."""
 
     @property
     def room(self) -> int:
@@ -47,16 +47,16 @@ class Row:
 
 class Batch:
     """The rows decoded together: the target model's shared cache, the drafters' states (`proposers`, each
-    step in turn: see `mtp.drafting`), what each step verifies (`pacer`: see `mtp.pacing`) and the sampling
-    settings (one generator for all rows: each row's tokens are drawn from its own distributions, whatever the
-    other rows draw)."""
+    step in turn: see `mtp.decoding.proposer`), what each step verifies (`pacer`: see `mtp.decoding.pacing`) and
+    the sampling settings (one generator for all rows: each row's tokens are drawn from its own distributions,
+    whatever the other rows draw)."""
 
     def __init__(self, target: Target, proposers: list[Proposer], pacer: Pacer, sampling: Sampling):
         self.target, self.proposers, self.pacer = target, proposers, pacer
         self.sampling, self.generator = sampling, sampling.generator()
         self.device = target.device
         self.rows: list[Row] = []
-        self.cache, self.slots = DynamicCache(), None  # slots (B, T): see mtp.cache
+        self.cache, self.slots = DynamicCache(), None  # slots (B, T): see mtp.decoding.cache
         self.layers = any(proposer.layers for proposer in proposers)  # a drafter reads more than the last states
         self.root = Tree.from_paths([]).to(self.device)  # every step's tree before the drafters propose
 
@@ -64,7 +64,7 @@ class Batch:
     def add(self, input_ids: torch.Tensor, max_length: int | None = None) -> int:
         """Prefill the prompt `input_ids` (1, T) alone and add it as the last row; returns its first new token.
         `max_length`: the row ends at this length (default: the model's context window)."""
-        cache = DynamicCache()  # every position on every layer: see mtp.cache
+        cache = DynamicCache()  # every position on every layer: see mtp.decoding.cache
         states = self.target.run(self.layers, input_ids=input_ids.to(self.device), cache=cache)
         logits = self.target.logits(states.last[0, -1])  # (V,)
         if self.sampling.greedy:
@@ -138,7 +138,7 @@ class Batch:
                                        attention_mask=attention, cache=self.cache)  # fmt: skip
 
     def accept(self, trees: list[Tree], tokens: list[torch.Tensor], states: States):
-        """Each row's accepted nodes (A_b+1,), root first, by the sampling settings' rule (`mtp.acceptance`) on
+        """Each row's accepted nodes (A_b+1,), root first, by the sampling settings' rule (`mtp.decoding.acceptance`) on
         the base model's logits after each node of the pass `states`, and the tokens they settle (the accepted
         candidates, then the bonus token)."""
         logits = self.target.logits(states.last)  # (B, Q, V) the base model's next-token logits after each node
@@ -155,7 +155,7 @@ class Batch:
                prefix_lens: torch.Tensor):  # fmt: skip
         """Keep each row's accepted nodes in the cache (the rest dropped) and hand them to the drafters; each row
         moves past them and its drafters' skills follow (`Pacer.update`). Returns `step`'s results."""
-        with record_function("mtp.cache"):
+        with record_function("mtp.decoding.cache"):
             self.slots = keep_accepted(self.cache, self.slots, nodes, prefix_lens)
         with record_function("mtp.drafters"):
             for proposer in self.proposers:

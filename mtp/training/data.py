@@ -12,8 +12,8 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
 from mtp.base import DEFAULT_BASE, load_tokenizer
-from mtp.distill import Distill, run_distill
-from mtp.rows import FORMATS, read_rows, to_example
+from mtp.training.distill import Distill, run_distill
+from mtp.training.rows import FORMATS, read_rows, to_example
 
 
 def encode(tokenizer: PreTrainedTokenizerBase, example: list[dict] | str, max_length: int):
@@ -80,7 +80,7 @@ def bucket(lengths: list[int], batch_size: int, seed: int = 0) -> list[list[int]
     return batches
 
 
-class HeadsDataModule(L.LightningDataModule):
+class DrafterDataModule(L.LightningDataModule):
     def __init__(
         self,
         data: str,
@@ -198,9 +198,9 @@ def add_held_out_arguments(parser, required: bool = True) -> None:
     parser.add_argument("--seed", type=int, default=0, help="the training run's seed (it shuffles the split)")
 
 
-def held_out(args, base_model: str) -> HeadsDataModule:
+def held_out(args, base_model: str) -> DrafterDataModule:
     """The data module of `add_held_out_arguments`' options, set up: its `val_examples` are the held-out answers."""
-    data = HeadsDataModule(args.data, base_model, max_length=args.max_length, val_fraction=args.val_fraction,
+    data = DrafterDataModule(args.data, base_model, max_length=args.max_length, val_fraction=args.val_fraction,
                            val_data=args.val_data, seed=args.seed)  # fmt: skip
     data.setup("validate")
     return data

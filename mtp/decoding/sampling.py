@@ -1,5 +1,5 @@
 """Sampling settings: temperature, top-k, top-p, the acceptance rule and the seed, and the distribution they make
-of the base model's logits (`Sampling.probabilities`). The rules that accept candidates: `mtp.acceptance`."""
+of the base model's logits (`Sampling.probabilities`). The rules that accept candidates: `mtp.decoding.acceptance`."""
 
 import argparse
 from dataclasses import dataclass
@@ -69,7 +69,7 @@ GREEDY = Sampling()
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    """The sampling options of decode.py and mtp.bench."""
+    """The sampling options of decode.py and mtp.tools.bench."""
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy, the base's own output")
     parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
     parser.add_argument("--top-p", type=float, default=1.0, help="sample from the top-p probability mass (1: all)")

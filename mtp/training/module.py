@@ -2,7 +2,7 @@
 
 import math
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import lightning as L
@@ -10,100 +10,29 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torch.nn import functional as F
-from torchmetrics import MeanMetric, Metric
+from torchmetrics import MeanMetric
 
 from mtp.base import DEFAULT_BASE, load_base
-from mtp.folder import Drafter, HeadsConfig, base_identity, weights_fingerprint
-from mtp.loss import IGNORE, default_weights, feature_regression, head_targets, heads_loss, shifted
+from mtp.drafters.contract import Drafter, DrafterConfig, base_identity, weights_fingerprint
+from mtp.training.lora import Lora, divergence, with_adapters
+from mtp.training.loss import (
+    IGNORE,
+    RANKS,
+    RankAccuracy,
+    default_weights,
+    draft_columns,
+    feature_regression,
+    head_targets,  # fmt: skip
+    heads_loss,
+    shifted,
+)
 
 TOP_K = (1, 5)
-RANKS = 10  # calibration: how often each head's rank-r guess is right, r < RANKS
 # Lightning warns about modules in eval mode when training starts: the frozen base is, on purpose.
 warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode")
 
 
-@dataclass
-class Lora:
-    """Medusa-2: train the base model too, through peft's low-rank adapters (LoRA), jointly with the heads, while
-    a self-distillation term keeps its next-token distribution the original model's (the same network with its
-    adapters off). The heads then decode with the adapted model, whose output is the one they keep."""
-
-    r: int = 32
-    """Rank of each adapter."""
-    alpha: int = 16
-    """An adapter adds alpha / r x B A to its layer's weight."""
-    dropout: float = 0.05
-    target_modules: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
-    """Names (the last part) of the base's linear layers that get an adapter."""
-    last_layers: int | None = None
-    """Adapters on the last this many decoder layers only (None: every layer). A step then back-propagates through
-    those layers only, and the adapter is smaller."""
-    heads_lr_scale: float = 4.0
-    """The heads learn at the model's lr times this; the adapters at lr."""
-    heads_warmup_steps: int = 0
-    """The heads' loss weight rises linearly from 0 to 1 over the first steps."""
-    distill_weight: float = 1.0
-    """Weight of KL(original || adapted), the next-token distributions at every position that predicts an answer
-    token."""
-
-
-def with_adapters(model: nn.Module, lora: Lora) -> nn.Module:
-    """`model` wrapped by peft with LoRA adapters on `lora.target_modules` (its own weights frozen)."""
-    from peft import LoraConfig, get_peft_model
-
-    linear = sorted(
-        {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)}
-    )
-    missing = sorted(set(lora.target_modules) - set(linear))
-    if missing or not lora.target_modules:
-        raise ValueError(
-            f"lora.target_modules {missing or '[]'}: not linear layers of this base model; choose among {linear}."
-        )
-    depth = model.config.num_hidden_layers
-    if lora.last_layers is not None and not 1 <= lora.last_layers <= depth:
-        raise ValueError(
-            f"lora.last_layers {lora.last_layers}: this base model has {depth} decoder layers; choose 1 to {depth}, "
-            "or null for every layer."
-        )
-    layers = None if lora.last_layers is None else list(range(depth - lora.last_layers, depth))
-    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
-                        layers_to_transform=layers)  # fmt: skip
-    return get_peft_model(model, config)
-
-
-def divergence(adapted: torch.Tensor, original: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed KL(original || adapted) and the number of rows whose top-1 agree, from log-probabilities (N, V)."""
-    agree = (adapted.argmax(-1) == original.argmax(-1)).sum()
-    return F.kl_div(adapted, original, log_target=True, reduction="sum"), agree
-
-
-class RankAccuracy(Metric):
-    """Per head, the fraction of positions where the head's rank-r guess is the target, for r < RANKS."""
-
-    def __init__(self, num_heads: int):
-        super().__init__()
-        self.add_state("hits", torch.zeros(num_heads, RANKS), dist_reduce_fx="sum")
-        self.add_state("positions", torch.zeros(num_heads), dist_reduce_fx="sum")
-
-    def update(self, hits: torch.Tensor, valid: torch.Tensor) -> None:
-        """hits (K, N, RANKS): head k's rank-r guess at position n is the target; valid (K, N): n has a target."""
-        self.hits += (hits & valid.unsqueeze(-1)).sum(1).float()
-        self.positions += valid.sum(1).float()
-
-    def compute(self) -> torch.Tensor:
-        return self.hits / self.positions.clamp(min=1).unsqueeze(-1)  # (K, RANKS)
-
-
-def draft_columns(targets: torch.Tensor, draft_vocab: list[int], vocab_size: int) -> torch.Tensor:
-    """Each target token's column among the draft vocabulary's logits; IGNORE where it is IGNORE or outside."""
-    columns = targets.new_full((vocab_size,), IGNORE)  # (V,)
-    columns[draft_vocab] = torch.arange(len(draft_vocab), device=targets.device)
-    return columns[targets.clamp(min=0)].masked_fill(targets == IGNORE, IGNORE)  # targets' shape
-
-
-class HeadsModule(L.LightningModule):
+class DrafterModule(L.LightningModule):
     def __init__(
         self,
         base_model: str = DEFAULT_BASE,
@@ -194,7 +123,7 @@ class HeadsModule(L.LightningModule):
                 f"feature_layers {feature_layers}: this base model has {depth} decoder layers; choose hidden states "
                 f"0 (the input embeddings) to {depth} (the last layer's output)."
             )
-        config = HeadsConfig(
+        config = DrafterConfig(
             num_heads=num_heads, num_layers=num_layers, lm_head=lm_head, head_type=head_type,
             feature_layers=feature_layers or [], **identity,
         )  # fmt: skip

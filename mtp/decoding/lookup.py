@@ -1,11 +1,10 @@
 """Prompt lookup: candidates copied from earlier text. When the last n tokens of the prompt and output occurred
 before, the tokens that followed them then are a guess for the tokens that follow now: right for long runs when
 an answer copies, quotes or edits its prompt, which no head can guess. The decoder hangs them from the root of
-the heads' tree (`mtp.tree.Tree.graft`, by `mtp.drafting.LookupProposer`) and verifies both in the same forward
-pass.
+the heads' tree (`Tree.graft`, by `mtp.decoding.proposer.LookupProposer`) and verifies both in the same forward pass.
 
 A longer match predicts better, so how many tokens are worth verifying depends on it: `Lookup.lengths[n - 1]`
-is the number proposed after a match of n tokens (`mtp.sizing` chooses them from measured acceptance and step
+is the number proposed after a match of n tokens (`mtp.tools.sizing` chooses them from measured acceptance and step
 costs)."""
 
 import argparse
@@ -55,12 +54,12 @@ class Lookup:
 
 
 def add_lookup_arguments(parser: argparse.ArgumentParser) -> None:
-    """The prompt-lookup option of decode.py and mtp.bench."""
+    """The prompt-lookup option of decode.py and mtp.tools.bench."""
     parser.add_argument("--lookup", type=int, nargs="+", metavar="L",
                         help="prompt lookup: verify tokens copied from earlier text beside the heads' guesses each "
                         f"step, at most L after a match of 1, 2, ... tokens (longest match first; one L: the same "
-                        f"after matches of 1 to {MAX_NGRAM}; 0: off); default: what mtp.sizing chose for the heads, "
-                        "else off")  # fmt: skip
+                        f"after matches of 1 to {MAX_NGRAM}; 0: off); default: what mtp.tools.sizing chose for the "
+                        "heads, else off")  # fmt: skip
 
 
 def lookup_from(args: argparse.Namespace) -> Lookup | None:

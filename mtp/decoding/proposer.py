@@ -1,5 +1,5 @@
 """The drafter seam: what every drafter does over the rows of a batch (`Proposer`), so that the verifier
-(`mtp.batch`) names none of them.
+(`mtp.decoding.batch`) names none of them.
 
 A proposer starts a row from its prefill, proposes candidates on each row's tree, takes what the base model
 accepted and drops rows that leave. Proposers run in turn each step: the first lays out a tree from the root
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mtp.pacing import Plan
-from mtp.target import States, Target
-from mtp.tree import DynamicTree, Tree
+from mtp.decoding.pacing import Plan
+from mtp.decoding.target import States, Target
+from mtp.decoding.tree import DynamicTree, Tree
 
 
 class Proposer:
@@ -45,7 +45,7 @@ class Proposer:
     def at_roots(self, input_ids: torch.Tensor, states: States, roots: list[int]) -> None:
         """Rows join for steps at the positions `roots` of one sequence `input_ids` (T,), as if each were a prompt
         `input_ids[:p]` with the first new token `input_ids[p]`, from `states` of one pass over the whole sequence
-        (for `mtp.sizing`'s simulation of decoding)."""
+        (for `mtp.tools.sizing`'s simulation of decoding)."""
         for p in roots:
             self.add(input_ids[:p], states.prefix(p), int(input_ids[p]))
 

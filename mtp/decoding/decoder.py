@@ -1,6 +1,6 @@
 """Decoding: propose a tree of candidates with the heads, verify it in one forward pass of the base model, accept
 the longest prefix the base model itself would produce, append, stop? The steps of one prompt or of a batch are
-`mtp.batch`'s; here are the prompts, their stop rules and their results."""
+`mtp.decoding.batch`'s; here are the prompts, their stop rules and their results."""
 
 import time
 from collections.abc import Iterator
@@ -9,14 +9,14 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from mtp.batch import Batch
-from mtp.drafting import LookupProposer
-from mtp.folder import Drafter
-from mtp.lookup import Lookup
-from mtp.pacing import Pacer, Plan
-from mtp.sampling import GREEDY, Sampling
-from mtp.target import Target
-from mtp.tree import DynamicTree, Tree
+from mtp.decoding.batch import Batch
+from mtp.decoding.lookup import Lookup
+from mtp.decoding.pacing import Pacer, Plan
+from mtp.decoding.proposer import LookupProposer
+from mtp.decoding.sampling import GREEDY, Sampling
+from mtp.decoding.target import Target
+from mtp.decoding.tree import DynamicTree, Tree
+from mtp.drafters.contract import Drafter
 
 
 @dataclass
@@ -57,30 +57,31 @@ class GenerationResult:
 
 
 class Decoder:
-    """Decoding of `base_model` with `heads` proposing a `tree` of candidates each step: greedy output equal
-    token for token to the base model's, or sampling with the base model's distribution (see `mtp.sampling`).
+    """Decoding of `base_model` with a `drafter` proposing a `tree` of candidates each step: greedy output equal
+    token for token to the base model's, or sampling with the base model's distribution (see `mtp.decoding.sampling`).
 
-    With `lookup`, prompt lookup's candidates join the tree each step (see `mtp.lookup`). Without heads or
+    With `lookup`, prompt lookup's candidates join the tree each step (see `mtp.decoding.lookup`). Without heads or
     lookup, every step verifies the root alone: plain one-token decoding through the same loop. A `pacer` instead
-    chooses each step's tree and lookup by expected speed (see `mtp.pacing`; `mtp.load` fits one to the machine).
+    chooses each step's tree and lookup by expected speed (`mtp.decoding.pacing`; `mtp.load` fits one to the machine).
     """
 
     def __init__(
         self,
         base_model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
-        heads: Drafter | None = None,
+        drafter: Drafter | None = None,
         tree: Tree | DynamicTree | None = None,
         lookup: Lookup | None = None,
         pacer: Pacer | None = None,
     ):
         self.target = Target(base_model)
-        self.base_model, self.tokenizer, self.heads = base_model, tokenizer, heads
+        self.base_model, self.tokenizer, self.drafter = base_model, tokenizer, drafter
         if pacer is None:
-            tree = tree if heads is not None and tree is not None else Tree.from_paths([])
-            if tree.size > 1 and heads.max_depth is not None and tree.depth > heads.max_depth:
-                raise ValueError(f"The tree is {tree.depth} levels deep, but there are only {heads.max_depth} "
-                                 f"heads: give a tree at most {heads.max_depth} deep.")  # fmt: skip
+            tree = tree if drafter is not None and tree is not None else Tree.from_paths([])
+            if tree.size > 1 and drafter.max_depth is not None and tree.depth > drafter.max_depth:
+                depth = drafter.max_depth
+                raise ValueError(f"The tree is {tree.depth} levels deep, but the drafter fills only {depth} levels: "
+                                 f"give a tree at most {depth} deep.")  # fmt: skip
             pacer = Pacer.fixed(Plan(tree, lookup if lookup is not None and lookup.reach else None))
         self.pacer = pacer
         plan = pacer.best(1)  # what a step over one prompt verifies at first
@@ -89,8 +90,8 @@ class Decoder:
         self._trees = {}  # each plan's tree cut at each depth, on the model's device, for every batch
 
     def batch(self, sampling: Sampling = GREEDY) -> Batch:
-        """An empty batch of rows to decode with this decoder's drafters (see `mtp.batch`)."""
-        proposers = [self.heads.proposer(self.target, self._trees)] if self.heads is not None else []
+        """An empty batch of rows to decode with this decoder's drafters (see `mtp.decoding.batch`)."""
+        proposers = [self.drafter.proposer(self.target, self._trees)] if self.drafter is not None else []
         if any(plan.lookup for options in self.pacer.plans.values() for plan, _ in options):
             proposers.append(LookupProposer())
         return Batch(self.target, proposers, self.pacer, sampling)
@@ -123,18 +124,6 @@ class Decoder:
                 f"{self.context - prompt_len} or shorten the prompt."
             )
         return max_length
-
-    def steps(
-        self, input_ids: torch.Tensor, sampling: Sampling = GREEDY, max_length: int | None = None
-    ) -> Iterator[tuple[list[int], int]]:
-        """Yield the tokens each pass settles (the prefill's first token, then per step the accepted candidates
-        and the bonus token) and how many of them each drafter proposed (by name): the batch of one prompt,
-        input_ids (1, T), ending at `max_length` (default: the model's context window). Runs until the caller
-        stops."""
-        batch = self.batch(sampling)
-        yield [batch.add(input_ids, max_length)], {}
-        while True:
-            yield batch.step()[0]
 
     def generate(
         self,

@@ -1,6 +1,6 @@
-"""The folder a drafter is saved in and loaded from: `config.json` (a `HeadsConfig`: the drafter's kind and shape, the
-identity of the base model it was trained for, what `mtp.sizing` chose) and safetensors parts, with an optional peft
-adapter of the base beside them. `Drafter` is what every kind of drafter shares: the folder, and the checks that
+"""The folder a drafter is saved in and loaded from: `config.json` (a `DrafterConfig`: the drafter's kind and shape, the
+identity of the base model it was trained for, what `mtp.tools.sizing` chose) and safetensors parts, with an optional
+peft adapter of the base beside them. `Drafter` is what every kind of drafter shares: the folder, and the checks that
 it fits a base model; each kind registers itself by its `head_type` (`Drafter.kinds`) as it is defined."""
 
 import hashlib
@@ -17,8 +17,8 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from mtp.base import load_base
-from mtp.drafting import Proposer
-from mtp.target import Target
+from mtp.decoding.proposer import Proposer
+from mtp.decoding.target import Target
 
 # what a heads folder holds (adapter_*: peft's files of a base adapter trained with the heads)
 HEADS_FILES = ["config.json", "model*.safetensors", "medusa_lm_head.*", "README.md", "adapter_*"]
@@ -26,7 +26,7 @@ SHARD_BYTES = 8_000_000  # weights past this are written in parts (model-00001-o
 
 
 @dataclass
-class HeadsConfig:
+class DrafterConfig:
     """Shape of the heads and the identity of the base model they were trained on."""
 
     num_heads: int = 4
@@ -35,7 +35,7 @@ class HeadsConfig:
     head_type: str = "medusa"
     """`medusa`: head k reads the base model's hidden state at t; `hydra`: also the input embeddings of the tokens
     t+1 .. t+k+1 (the candidate path when decoding): sequentially dependent heads; `eagle`: a decoder layer over the
-    base model's features at `feature_layers` (see `mtp.eagle`)."""
+    base model's features at `feature_layers` (see `mtp.drafters.eagle`)."""
     num_layers: int = 1
     """Residual blocks per head."""
     lm_head: str = "shared"
@@ -51,16 +51,16 @@ class HeadsConfig:
     """calibration[k][r]: fraction of held-out positions where head k's rank-r guess (r from 0) was the token
     (measured by the last validation run of training); the tree search starts from it."""
     tree: list[list[int]] | None = None
-    """Paths of the decoding tree chosen for these heads (see `mtp.tree`); None: the default named tree."""
+    """Paths of the decoding tree chosen for these heads (see `mtp.decoding.tree`); None: the default named tree."""
     lookup: list[int] = field(default_factory=list)
-    """Prompt-lookup tokens verified beside the tree after a match of 1, 2, ... tokens (`mtp.lookup.Lookup`'s
-    lengths), chosen with the tree by `mtp.sizing`; empty: none."""
+    """Prompt-lookup tokens verified beside the tree after a match of 1, 2, ... tokens (`mtp.decoding.lookup.Lookup`'s
+    lengths), chosen with the tree by `mtp.tools.sizing`; empty: none."""
     dynamic_tree: str | None = None
     """A `DynamicTree` (`dynamic:NODES:DEPTH:TOP_K`) that decoding always takes, as if given to `mtp.load`."""
     acceptance: list[dict] = field(default_factory=list)
-    """What each candidate tree and lookup accepts per step on held-out answers (`mtp.pacing.Candidate`, written
-    by `mtp.sizing`): `mtp.load` chooses among them by the step costs of the machine it runs on. Empty: among
-    the trees grown from `calibration`, without lookup."""
+    """What each candidate tree and lookup accepts per step on held-out answers (`mtp.decoding.pacing.Candidate`,
+    written by `mtp.tools.sizing`): `mtp.load` chooses among them by the step costs of the machine it runs on. Empty:
+    among the trees grown from `calibration`, without lookup."""
     adapter: bool = False
     """The folder also holds a LoRA adapter of the base model trained with the heads (peft's `adapter_config.json`
     and `adapter_model.safetensors`): decoding merges it into the base, and the output is the adapted model's."""
@@ -93,7 +93,7 @@ class HeadsConfig:
 
 
 def base_identity(name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> dict:
-    """The fields of `HeadsConfig` that pin the base model."""
+    """The fields of `DrafterConfig` that pin the base model."""
     vocab_size, hidden_size = model.get_output_embeddings().weight.shape
     vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
     fingerprint = hashlib.sha256(vocab.encode()).hexdigest()[:16]
@@ -133,19 +133,19 @@ def from_hub(repo_id: str) -> Path:
 
 class Drafter(nn.Module, metaclass=ABCMeta):
     """A drafter: its weights, its `config` and the folder it was loaded from (`folder`; None for a new one), and
-    all that training (`mtp.module`), sizing (`mtp.sizing`), decoding (`mtp.decoding`) and export (`mtp.export`)
-    know of it: none of them names a kind. A kind subclasses this with `kind=NAME`, the `head_type` that names it
+    all that training (`mtp.training`), sizing and export (`mtp.tools`) and decoding (`mtp.decoding`) know of it:
+    none of them names a kind. A kind subclasses this with `kind=NAME`, the `head_type` that names it
     in configs, and joins `kinds`; it defines `new`, `teacher_forced`, `path_guesses` and `proposer`, and where it
     differs, `default_layers`, `max_depth`, `exports`, `from_foreign` and `set_draft_vocab`."""
 
-    config: HeadsConfig
+    config: DrafterConfig
     folder: Path | None = None
     kinds: ClassVar[dict[str, type["Drafter"]]] = {}
     """Every kind of drafter by the `head_type` that names it."""
     max_depth: int | None = None
     """The deepest node of a tree it can fill (None: as deep as a tree asks)."""
     exports: ClassVar[tuple[str, ...]] = ()
-    """The layouts other engines serve it in (`mtp.export --to`; every kind goes to the Hub as it is)."""
+    """The layouts other engines serve it in (`mtp.tools.export --to`; every kind goes to the Hub as it is)."""
 
     def __init_subclass__(cls, kind: str | None = None, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -161,13 +161,13 @@ class Drafter(nn.Module, metaclass=ABCMeta):
 
     @classmethod
     def default_layers(cls, depth: int) -> list[int]:
-        """The base model's hidden states it reads beside the last (`HeadsConfig.feature_layers`) unless told,
+        """The base model's hidden states it reads beside the last (`DrafterConfig.feature_layers`) unless told,
         for a base of `depth` decoder layers."""
         return []
 
     @classmethod
     @abstractmethod
-    def new(cls, config: HeadsConfig, base_model: PreTrainedModel) -> "Drafter":
+    def new(cls, config: DrafterConfig, base_model: PreTrainedModel) -> "Drafter":
         """A new drafter of this shape for `base_model`, before training."""
 
     @abstractmethod
@@ -185,7 +185,7 @@ class Drafter(nn.Module, metaclass=ABCMeta):
 
     @abstractmethod
     def proposer(self, target: Target, cut: dict) -> Proposer:
-        """Decoding: this drafter over the rows of a batch (see `mtp.drafting`), on the trees of each step's plan
+        """Decoding: this drafter over the rows of a batch (`mtp.decoding.proposer`), on the trees of each step's plan
         (`cut`: the static trees cut so far, kept by the caller across batches)."""
 
     @classmethod
@@ -200,7 +200,7 @@ class Drafter(nn.Module, metaclass=ABCMeta):
 
     def check_base(self, name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
         """Raise if these heads were trained for a base other than (model, tokenizer)."""
-        other = HeadsConfig(**{**asdict(self.config), **base_identity(name, model, tokenizer)})
+        other = DrafterConfig(**{**asdict(self.config), **base_identity(name, model, tokenizer)})
         pinned = ("hidden_size", "vocab_size") + (
             ("tokenizer_fingerprint",) if self.config.tokenizer_fingerprint else ()
         )
@@ -253,8 +253,8 @@ class Drafter(nn.Module, metaclass=ABCMeta):
     @staticmethod
     def from_pretrained(folder: str | Path) -> "Drafter":
         """Heads saved by `save_pretrained`, of the kind their config names (`head_type`), a FasterDecoding
-        Medusa checkpoint (see `mtp.heads.MedusaHeads.from_faster_decoding`) or an EAGLE-3 drafter (see
-        `mtp.eagle.Eagle.from_eagle3`); `folder` may also be a Hub repository id that holds one."""
+        Medusa checkpoint (see `mtp.drafters.heads.MedusaHeads.from_faster_decoding`) or an EAGLE-3 drafter (see
+        `mtp.drafters.eagle.Eagle.from_eagle3`); `folder` may also be a Hub repository id that holds one."""
         folder = Path(folder) if Path(folder).is_dir() or not is_repo_id(str(folder)) else from_hub(str(folder))
         if not (folder / "config.json").is_file():
             raise FileNotFoundError(f"{folder / 'config.json'} does not exist: point at a folder of heads.")
@@ -268,10 +268,10 @@ class Drafter(nn.Module, metaclass=ABCMeta):
                 f"{folder / 'model.safetensors'} does not exist: point at a folder written by save_pretrained."
             )
         raw.pop("batch_trees", None)  # what sizing chose per batch size on its own machine: now chosen at load
-        unknown = set(raw) - {field.name for field in fields(HeadsConfig)}
+        unknown = set(raw) - {field.name for field in fields(DrafterConfig)}
         if unknown:
             raise ValueError(f"{folder / 'config.json'} has unknown keys {sorted(unknown)}: not a heads folder?")
-        config = HeadsConfig(**raw)
+        config = DrafterConfig(**raw)
         heads = Drafter.kinds[config.head_type](config)
         heads.folder = folder
         heads.load_state_dict({name: tensor for file in files for name, tensor in load_file(file).items()})

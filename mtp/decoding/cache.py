@@ -81,7 +81,7 @@ def grouped_keys(on: bool) -> Iterator[None]:
     Given a mask and more than one query, transformers copies each layer's keys and values once per query group
     (`repeat_kv`: on CUDA, SDPA takes groups and a mask together only on its slow path); PyTorch's CPU kernel takes
     both as they are, and skipping the copies saved 2-3 ms of a 2- to 4-node step of SmolLM2 here (38.5 -> 36.4 ms
-    at 2 nodes, measured with `mtp.sizing.measure_steps`). `TRANSFORMERS_SDPA_FORCE_GQA` is transformers' own
+    at 2 nodes, measured with `mtp.tools.sizing.measure_steps`). `TRANSFORMERS_SDPA_FORCE_GQA` is transformers' own
     switch for this; it is set for the pass only (process-wide while it runs), and left as the caller had it."""
     if not on:
         yield
@@ -124,17 +124,28 @@ def keep_accepted(cache: DynamicCache, slots: torch.Tensor, nodes: list[torch.Te
     return torch.cat([slots, new.masked_fill(accepted < 0, -1)], 1)
 
 
+def joined(states: list[torch.Tensor], others: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each of `states` (B, G, S, D) with the rows of its partner in `others` (B', G, S', D) after its own, the
+    shorter padded with empty slots at the end: (B + B', G, max(S, S'), D) each."""
+    length = max(states[0].shape[2], others[0].shape[2])
+
+    def pad(x: torch.Tensor) -> torch.Tensor:  # (B, G, S, D) -> (B, G, length, D)
+        return torch.nn.functional.pad(x, (0, 0, 0, length - x.shape[2]))
+
+    return [torch.cat([pad(state), pad(other)]) for state, other in zip(states, others, strict=True)]
+
+
+def kept(states: list[torch.Tensor], rows: torch.Tensor, filled: torch.Tensor) -> list[torch.Tensor]:
+    """Each of `states` (B, G, S, D) with only `rows` (B,) and the slots `filled` (S,) bool."""
+    return [state[rows][:, :, filled] for state in states]
+
+
 def append_rows(cache: DynamicCache, slots: torch.Tensor, other: DynamicCache, other_slots: torch.Tensor):
     """Append the rows of `other` (its slots `other_slots`) to `cache`, the shorter of the two padded with empty
     slots; returns the slots of the joined rows."""
     length = max(slots.shape[1], other_slots.shape[1])
-
-    def pad(states: torch.Tensor) -> torch.Tensor:  # (B, heads, T, D) -> (B, heads, length, D)
-        return torch.nn.functional.pad(states, (0, 0, 0, length - states.shape[2]))
-
     for layer, new in zip(cache.layers, other.layers, strict=True):
-        layer.keys = torch.cat([pad(layer.keys), pad(new.keys)])
-        layer.values = torch.cat([pad(layer.values), pad(new.values)])
+        layer.keys, layer.values = joined([layer.keys, layer.values], [new.keys, new.values])
     return torch.cat([torch.nn.functional.pad(s, (0, length - s.shape[1]), value=-1) for s in (slots, other_slots)])
 
 
@@ -143,5 +154,5 @@ def keep_rows(cache: DynamicCache, slots: torch.Tensor, rows: torch.Tensor) -> t
     slots = slots[rows]
     filled = (slots >= 0).any(0)  # (T,)
     for layer in cache.layers:
-        layer.keys, layer.values = layer.keys[rows][:, :, filled], layer.values[rows][:, :, filled]
+        layer.keys, layer.values = kept([layer.keys, layer.values], rows, filled)
     return slots[:, filled]

@@ -9,7 +9,7 @@ usual ones: `plain`, `generate` as users run it, and `plain_fast`, `generate` wi
 plain` is against the faster of the two in each row of the table. Where mtp chose the usual product for one row,
 the two are the same computation and `plain` alone is timed. Prompt lookup runs with mtp's products.
 
-    python -m mtp.bench --heads HEADS --questions data/mt_bench.jsonl --limit 16 --max-new-tokens 128
+    python -m mtp.tools.bench --drafter DRAFTER --questions data/mt_bench.jsonl --limit 16 --max-new-tokens 128
 
 With --batch-size B [B ...]: total tokens/s of mtp and of plain `generate` answering B prompts at a time, against
 one at a time (see `bench_batches`).
@@ -27,15 +27,15 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import mtp
-from mtp.cli import user_errors
-from mtp.costs import describe
-from mtp.decoding import Decoder
+from mtp.decoding.costs import describe
+from mtp.decoding.decoder import Decoder
+from mtp.decoding.lookup import add_lookup_arguments, lookup_from
+from mtp.decoding.sampling import Sampling, add_sampling_arguments, sampling_from
+from mtp.decoding.tree import TREE_HELP
 from mtp.linears import narrow_counts, usual_linears
-from mtp.lookup import add_lookup_arguments, lookup_from
 from mtp.machine import device_name
-from mtp.rows import read_rows
-from mtp.sampling import Sampling, add_sampling_arguments, sampling_from
-from mtp.tree import TREE_HELP
+from mtp.tools.cli import user_errors
+from mtp.training.rows import read_rows
 
 # heads: mtp without its prompt lookup, when that is on; the drafters of --against follow as against_1, against_2, ...
 METHODS = ("plain", "plain_fast", "lookup", "heads", "mtp")
@@ -186,7 +186,7 @@ def batch_markdown(rows: list[dict], questions: int) -> str:
 @user_errors
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--heads", required=True)
+    parser.add_argument("--drafter", "--heads", required=True)
     parser.add_argument("--against", metavar="HEADS", action="append", default=[],
                         help="also decode with this drafter folder (for the same base, with its own saved tree "
                         "and lookup), interleaved in the same run; repeat it for more (against 1, 2, ...)")  # fmt: skip
@@ -222,9 +222,9 @@ def main() -> None:
         raise ValueError(f"--batch-size {args.batch_size}: give batch sizes of 1 or more.")
     if args.seed is not None:
         torch.manual_seed(args.seed)  # plain generate and prompt lookup sample with torch's global generator
-    decoder = mtp.load(args.heads, args.device, getattr(torch, args.dtype), tree=args.tree, lookup=lookup_from(args))
+    decoder = mtp.load(args.drafter, args.device, getattr(torch, args.dtype), tree=args.tree, lookup=lookup_from(args))
     alone = decoder.lookup and not args.batch_size  # mtp with its heads alone, beside mtp with its lookup
-    heads_alone = alone and Decoder(decoder.base_model, decoder.tokenizer, decoder.heads, decoder.tree)
+    heads_alone = alone and Decoder(decoder.base_model, decoder.tokenizer, decoder.drafter, decoder.tree)
     trees = args.against_tree or [None] * len(args.against)
     others = [mtp.load(path, args.device, getattr(torch, args.dtype), tree=tree)
               for path, tree in zip(args.against, trees, strict=True)]  # fmt: skip

@@ -15,12 +15,12 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from mtp.base import load_base, load_tokenizer
-from mtp.rows import read_rows, to_example
+from mtp.training.rows import read_rows, to_example
 
 
 @dataclass
 class Distill:
-    """The base model answers the first user turn of each row of `prompts` (any format `mtp.data` reads)."""
+    """The base model answers the first user turn of each row of `prompts` (any format `mtp.training.data` reads)."""
 
     prompts: str
     """File, dataset folder or `datasets` id with the prompts."""

@@ -25,8 +25,8 @@ model's distribution: the output is a different, if plausible, sample.
 
 import torch
 
-from mtp.sampling import Sampling
-from mtp.tree import Tree
+from mtp.decoding.sampling import Sampling
+from mtp.decoding.tree import Tree
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator) -> int:

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from mtp.cache import attention_windows
+from mtp.decoding.cache import attention_windows
 
 
 @dataclass
@@ -30,7 +30,7 @@ class States:
 
 
 class Target:
-    """`base_model` as the verifier, the drafters and `mtp.sizing` see it: its backbone and logits (with Gemma-2's
+    """`base_model` as the verifier, the drafters and `mtp.tools.sizing` see it: its backbone and logits (with Gemma-2's
     soft cap), embeddings, attention windows, context window, EOS ids and whether its RoPE depends on a pass's
     length."""
 

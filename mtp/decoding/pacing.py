@@ -1,9 +1,9 @@
 """Pacing: which tree and prompt lookup each step verifies, chosen by expected speed on the machine at hand.
 
-A drafter's folder saves what its candidates accept (`HeadsConfig.acceptance`, written by `mtp.sizing` from
+A drafter's folder saves what its candidates accept (`DrafterConfig.acceptance`, written by `mtp.tools.sizing` from
 decoding simulated on held-out answers; without it, the trees grown from the heads' calibration): per candidate,
 a tree of `size` nodes (the first `size` - 1 paths grown from the calibration) and prompt-lookup lengths, the
-candidates it accepts per step from the tree and from lookup, and how many nodes its steps verify. `mtp.costs`
+candidates it accepts per step from the tree and from lookup, and how many nodes its steps verify. `mtp.decoding.costs`
 measures, once per machine, what a step of n nodes over B rows costs. A candidate's expected speed is its
 expected tokens per step over its expected seconds per step, and the plain step (the root alone, no lookup) is
 a candidate: where no tree pays, mtp decodes plainly.
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import accumulate
 
-from mtp.lookup import Lookup
-from mtp.tree import DynamicTree, Tree
+from mtp.decoding.lookup import Lookup
+from mtp.decoding.tree import DynamicTree, Tree
 
 RATE = 0.3  # the weight of a step's acceptance in a row's running skill (about the last 3 steps count)
 RETURN = 0.02  # per step a drafter sits out, its skill moves this share of the way back to 1 (the average): a
@@ -38,7 +38,7 @@ class Candidate:
     size: int
     """Tree nodes, root included: the first size - 1 paths grown from the calibration (1: the root alone)."""
     lookup: tuple[int, ...] = ()
-    """Prompt-lookup lengths (`mtp.lookup.Lookup`); (): none."""
+    """Prompt-lookup lengths (`mtp.decoding.lookup.Lookup`); (): none."""
     from_tree: float = 0.0
     """Accepted candidates per step that the tree proposed."""
     from_lookup: float = 0.0
@@ -73,7 +73,7 @@ class Candidate:
         return total
 
     def as_dict(self) -> dict:
-        """As `HeadsConfig.acceptance` saves it."""
+        """As `DrafterConfig.acceptance` saves it."""
         return {"size": self.size, "lookup": list(self.lookup), "from_tree": round(self.from_tree, 5),
                 "from_lookup": round(self.from_lookup, 5), "nodes": [round(n, 5) for n in self.nodes],
                 "depth": self.depth}  # fmt: skip

@@ -1,8 +1,8 @@
 """Export heads for serving elsewhere, or publish them.
 
-    python -m mtp.export --heads HEADS --to vllm --out DIR
-    python -m mtp.export --heads EAGLE_DRAFTER --to eagle3 --out DIR      # or --to speculators
-    python -m mtp.export --heads HEADS --to hub --repo OWNER/NAME --data "..." --tau "..."
+    python -m mtp.tools.export --drafter DRAFTER --to vllm --out DIR
+    python -m mtp.tools.export --drafter EAGLE_DRAFTER --to eagle3 --out DIR      # or --to speculators
+    python -m mtp.tools.export --drafter DRAFTER --to hub --repo OWNER/NAME --data "..." --tau "..."
 
 `vllm`: the layout of vLLM's Medusa draft model (`vllm/model_executor/models/medusa.py` and its `MedusaConfig`):
 `config.json` with `model_type: medusa`, and `model.safetensors` holding, per head h and block l,
@@ -37,7 +37,7 @@ Serve (vLLM and SGLang, on a GPU; not run here):
 `hub`: the heads folder as it is, with a model card (README.md) that states the base model, the heads, the data
 they learned (--data), their calibration, the tree and lookup sized for them, and the tau measured with them
 (--tau), uploaded to a Hub model repository (created if missing; needs a Hub token). `mtp.load`, `decode.py
---heads` and `mtp.bench --heads` take that repository id as they take a folder.
+--drafter` and `mtp.tools.bench --drafter` take that repository id as they take a folder.
 """
 
 import argparse
@@ -49,9 +49,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from mtp.cli import user_errors
-from mtp.folder import Drafter, load_with_base
-from mtp.tree import DynamicTree
+from mtp.decoding.tree import DynamicTree
+from mtp.drafters.contract import Drafter, load_with_base
+from mtp.tools.cli import user_errors
 
 
 def check_layout(drafter: Drafter, layout: str) -> None:
@@ -193,7 +193,7 @@ base model `{config.base_model}` (hidden size {config.hidden_size}, vocabulary {
 Decoding is lossless: greedy output equals the base model's own greedy output, token for token.
 
 ```bash
-python decode.py --heads {repo_id} --prompt "Why is the sky blue?"
+python decode.py --drafter {repo_id} --prompt "Why is the sky blue?"
 ```
 """
 
@@ -215,7 +215,7 @@ def to_hub(heads_path: str, repo_id: str, data: str, tau: str, private: bool = F
 @user_errors
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--heads", required=True, help="heads folder")
+    parser.add_argument("--drafter", "--heads", required=True, help="drafter folder")
     parser.add_argument(
         "--to",
         required=True,
@@ -233,9 +233,9 @@ def main() -> None:
     if missing:
         parser.error(f"--to {args.to} needs {', '.join(missing)}")
     if args.to == "hub":
-        print(f"Uploaded {args.heads} to {to_hub(args.heads, args.repo, args.data, args.tau, args.private)}")
+        print(f"Uploaded {args.drafter} to {to_hub(args.drafter, args.repo, args.data, args.tau, args.private)}")
         return
-    heads, model, _ = load_with_base(args.heads, fast=False, adapt=False)
+    heads, model, _ = load_with_base(args.drafter, fast=False, adapt=False)
     if args.to == "vllm":
         print(f"Wrote vLLM Medusa heads to {to_vllm(heads, model.get_output_embeddings().weight, args.out)}")
     else:
