@@ -67,6 +67,12 @@ def load_tokenizer(name: str = DEFAULT_BASE) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(_resolve(name))
 
 
+def eos_ids(model: PreTrainedModel) -> set[int]:
+    """The token ids that end the model's answers (its generation config's `eos_token_id`: one, a list, or none)."""
+    eos = model.generation_config.eos_token_id
+    return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
 def _require_name(name: str) -> None:
     if not name:
         raise ValueError("No base model named (heads imported from a checkpoint that does not record theirs): give the "

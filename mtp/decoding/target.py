@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from mtp.base import eos_ids
 from mtp.decoding.cache import attention_windows
 
 
@@ -47,8 +48,7 @@ class Target:
         self.windows = attention_windows(base_model.config)
         self.context = getattr(text, "max_position_embeddings", None)
         self.softcap = getattr(text, "final_logit_softcapping", None)
-        eos = base_model.generation_config.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.eos_ids = eos_ids(base_model)
         # RoPE that picks its frequencies from the highest position of a pass: one row would change another's
         rope = getattr(text, "rope_parameters", None) or {}
         kinds = {p.get("rope_type") for p in ([rope] if "rope_type" in rope else rope.values()) if isinstance(p, dict)}

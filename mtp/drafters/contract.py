@@ -1,7 +1,9 @@
-"""The folder a drafter is saved in and loaded from: `config.json` (a `DrafterConfig`: the drafter's kind and shape, the
-identity of the base model it was trained for, what `mtp.tools.sizing` chose) and safetensors parts, with an optional
-peft adapter of the base beside them. `Drafter` is what every kind of drafter shares: the folder, and the checks that
-it fits a base model; each kind registers itself by its `head_type` (`Drafter.kinds`) as it is defined."""
+"""The drafter contract: `Drafter`, what every kind of drafter declares (the base model's layers it reads, the one
+call training makes, its guesses along a true path for sizing, its proposer for decoding, what it exports to) and
+what they share: the folder a drafter is saved in and loaded from (`config.json`, a `DrafterConfig`: the kind and
+shape, the identity of the base model it was trained for, what `mtp.tools.sizing` chose; safetensors parts; an
+optional peft adapter of the base beside them) and the checks that it fits a base. Each kind registers itself by
+its `head_type` (`Drafter.kinds`) as it is defined."""
 
 import hashlib
 import json

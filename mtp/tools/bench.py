@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import mtp
+from mtp.base import eos_ids
 from mtp.decoding.costs import describe
 from mtp.decoding.decoder import Decoder
 from mtp.decoding.lookup import add_lookup_arguments, lookup_from
@@ -48,8 +49,7 @@ def timed_generate(model, prompts: list[torch.Tensor], max_new_tokens: int, samp
     padded: each prompt's new tokens without the EOS, and the seconds of all."""
     if not sampling.greedy:
         options |= dict(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
-    eos = model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos])
+    eos = eos_ids(model)
     pad_id = next((t for t in [model.generation_config.pad_token_id, *eos] if t is not None), 0)
     outputs, start = [], time.perf_counter()
     for first in range(0, len(prompts), batch_size):

@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from mtp.base import load_base, load_tokenizer
+from mtp.base import eos_ids, load_base, load_tokenizer
 from mtp.training.rows import read_rows, to_example
 
 
@@ -139,8 +139,7 @@ def continuous_batching(model, prompts: list[tuple[int, list[int]]], distill: Di
     out. Each row has its own position ids, so a row computes what it would compute alone. Columns that no row
     sees any more are cut from the left.
     """
-    eos = model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    eos = eos_ids(model)
     queue = iter(prompts)
     rows: list[tuple[int, list[int]] | None] = []  # per row: (prompt index, answer so far), None when free
     cache, seen = None, torch.zeros(0, 0, dtype=torch.bool)  # seen (B, L): the cache columns each row attends to
