@@ -11,6 +11,7 @@ from mtp.training.module import DrafterModule
 class DrafterCLI(LightningCLI):
     def add_arguments_to_parser(self, parser):
         parser.link_arguments("model.base_model", "data.base_model")
+        parser.link_arguments("trainer.precision", "model.precision")  # the base loads in its compute dtype
 
 
 @user_errors

@@ -17,7 +17,7 @@ from mtp.decoding.decoder import Decoder
 from mtp.decoding.tree import NAMED_TREES
 from mtp.training.rows import read_rows
 
-PHASES = ("mtp.candidates", "mtp.verify", "mtp.accept", "mtp.decoding.cache")
+PHASES = ("mtp.candidates", "mtp.verify", "mtp.accept", "mtp.cache")
 
 
 def profiled(decoder: Decoder, prompts: list, max_new_tokens: int) -> tuple[dict[str, float], int, int, float]:

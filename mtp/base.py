@@ -67,6 +67,12 @@ def load_tokenizer(name: str = DEFAULT_BASE) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(_resolve(name))
 
 
+def compute_dtype(precision: str | int) -> torch.dtype:
+    """The dtype a frozen base model computes in under a Lightning `precision`: bfloat16 for `bf16-*` (`bf16-mixed`,
+    `bf16-true`), float32 otherwise."""
+    return torch.bfloat16 if str(precision).startswith("bf16") else torch.float32
+
+
 def eos_ids(model: PreTrainedModel) -> set[int]:
     """The token ids that end the model's answers (its generation config's `eos_token_id`: one, a list, or none)."""
     eos = model.generation_config.eos_token_id

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from safetensors.torch import load_file
 
@@ -67,6 +68,15 @@ def test_command_line_overrides_reach_the_model(tmp_path):
         and heads["lm_head"] == "shared"
         and heads["base_model"] == "configs/models/tiny-llama/config.json"
     )
+
+
+@pytest.mark.parametrize("precision, dtype", [("32-true", torch.float32), ("bf16-mixed", torch.bfloat16)])
+def test_the_base_loads_in_the_precisions_compute_dtype_and_the_drafter_trains_in_float32(tmp_path, precision, dtype):
+    cli = main(["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.precision", precision,
+                "--trainer.max_steps", "2", "--trainer.logger.init_args.save_dir", str(tmp_path),
+                "--trainer.enable_progress_bar", "false"])  # fmt: skip
+    assert {p.dtype for p in cli.model.base_model.parameters()} == {dtype}
+    assert {p.dtype for p in cli.model.heads.parameters()} == {torch.float32} and cli.trainer.global_step == 2
 
 
 @pytest.mark.parametrize("lora", [[], ["--model.lora.r", "4", "--model.lora.target_modules", "[q_proj, v_proj]"]],

@@ -65,9 +65,11 @@ def probe():
         def max_depth(self):
             return self.config.num_heads
 
-        def teacher_forced(self, hidden, features, input_ids, keep, base_lm_head, embed):
-            states = torch.stack([linear(hidden[keep]) for linear in self.maps])  # (K, N, H)
-            return base_lm_head(states), states
+        def teacher_forced(self, hidden, features, input_ids, keep, embed):
+            return torch.stack([linear(hidden[keep]) for linear in self.maps])  # (K, N, H)
+
+        def project(self, states, base_lm_head):
+            return base_lm_head(states)
 
         def path_guesses(self, hidden, features, input_ids, base_lm_head, embed, k):
             return torch.stack([base_lm_head(linear(hidden)).topk(k, dim=-1).indices for linear in self.maps])

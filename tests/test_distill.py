@@ -1,15 +1,18 @@
 import gzip
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import mtp.training.distill
 from mtp.base import load_base
 from mtp.training.distill import Distill, read_done, run_distill
 from mtp.training.rows import read_rows
-from tests.conftest import TINY_BASE
+from tests.conftest import ROOT, TINY_BASE
 
 
 @pytest.fixture
@@ -38,19 +41,19 @@ def test_distillation_answers_prompts_and_resumes_without_losing_rows(prompts, t
     second = lines(out)
     assert second[:3] == first and sorted(row["index"] for row in second) == [0, 1, 3, 4, 5]
 
-    mtime = (out / "part-00000.jsonl").stat().st_mtime_ns
+    mtime = (out / "rank-00000" / "part-00000.jsonl").stat().st_mtime_ns
     run_distill(Distill(limit=5, **settings), TINY_BASE, out)  # nothing left to do: untouched
-    assert (out / "part-00000.jsonl").stat().st_mtime_ns == mtime
+    assert (out / "rank-00000" / "part-00000.jsonl").stat().st_mtime_ns == mtime
 
 
 def test_a_torn_last_line_is_cut_off_and_answered_again(prompts, tmp_path):
     out = tmp_path / "answers"
     settings = dict(prompts=prompts, max_new_tokens=5, max_prompt_tokens=60, batch_size=2, limit=2)
     run_distill(Distill(**settings), TINY_BASE, out)
-    part = out / "part-00000.jsonl"
+    part = out / "rank-00000" / "part-00000.jsonl"
     complete = part.read_text()
     part.write_text(complete.splitlines(keepends=True)[0] + complete.splitlines()[1][:20])  # crash mid-write
-    assert read_done(out) == {json.loads(complete.splitlines()[0])["index"]}
+    assert read_done(out, part.parent) == {json.loads(complete.splitlines()[0])["index"]}
     run_distill(Distill(**settings), TINY_BASE, out)
     assert sorted(row["index"] for row in lines(out)) == [0, 1]
 
@@ -59,13 +62,14 @@ def test_full_parts_are_compressed_and_a_resumed_run_reads_and_extends_them(prom
     out = tmp_path / "answers-t0.8"  # a folder name with a dot is still a folder
     settings = dict(prompts=prompts, max_new_tokens=3, max_prompt_tokens=60, batch_size=2, part_size=2)
     run_distill(Distill(limit=3, **settings), TINY_BASE, out)
-    assert sorted(path.name for path in out.iterdir()) == ["part-00000.jsonl.gz", "part-00001.jsonl"]
-    with gzip.open(out / "part-00000.jsonl.gz", "rt") as packed:
+    shard = out / "rank-00000"
+    assert sorted(path.name for path in shard.iterdir()) == ["part-00000.jsonl.gz", "part-00001.jsonl"]
+    with gzip.open(shard / "part-00000.jsonl.gz", "rt") as packed:
         assert len(packed.read().splitlines()) == 2
-    (out / "part-00000.jsonl").write_text("stale copy left by a crash while compressing\n")
+    (shard / "part-00000.jsonl").write_text("stale copy left by a crash while compressing\n")
     run_distill(Distill(limit=6, **settings), TINY_BASE, out)
     names = ["part-00000.jsonl.gz", "part-00001.jsonl.gz", "part-00002.jsonl.gz"]
-    assert sorted(path.name for path in out.iterdir()) == names  # 6 answers: three full parts, no stale copy
+    assert sorted(path.name for path in shard.iterdir()) == names  # 6 answers: three full parts, no stale copy
     assert sorted(row["index"] for row in lines(out)) == [0, 1, 3, 4, 5, 6]
     with pytest.raises(ValueError, match="go to a folder of parts, not to the file"):
         run_distill(Distill(**settings), TINY_BASE, tmp_path / "answers.jsonl")
@@ -153,3 +157,68 @@ def test_a_finished_row_takes_the_next_prompt_and_every_answer_is_still_the_prom
     answers = {row["index"]: row["messages"][1]["content"] for row in lines(out)}
     assert [answers[i] for i in range(5)] == expected
     assert len({len(tokenizer.encode(text)) for text in expected}) > 1  # answers of different lengths
+
+
+def by_index(rows: list[dict]) -> list[dict]:
+    return sorted(rows, key=lambda row: row["index"])
+
+
+def test_two_ranks_answer_what_one_process_answers_each_its_share_in_its_own_shard(tmp_path):
+    base = varied_tiny_base(tmp_path / "model")
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([{"text": f"Question {i}: " + "why? " * i} for i in range(7)]))
+    distill = Distill(prompts=str(prompts), max_new_tokens=6, batch_size=2)
+    run_distill(distill, base, tmp_path / "alone")
+    for rank in (1, 0):
+        run_distill(distill, base, tmp_path / "split", rank=rank, world_size=2)
+    shares = [[row["index"] for row in lines(tmp_path / "split" / f"rank-{rank:05d}")] for rank in (0, 1)]
+    assert sorted(map(len, shares)) == [3, 4] and not set(shares[0]) & set(shares[1])  # every other prompt
+    assert by_index(lines(tmp_path / "split")) == by_index(lines(tmp_path / "alone"))
+
+
+def test_a_run_killed_mid_way_and_rerun_with_another_number_of_processes_loses_and_duplicates_nothing(
+    tmp_path, monkeypatch
+):
+    base = varied_tiny_base(tmp_path / "model")
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([{"text": f"Question {i}: " + "why? " * i} for i in range(9)]))
+    distill = Distill(prompts=str(prompts), max_new_tokens=6, batch_size=2)
+    run_distill(distill, base, tmp_path / "alone")
+    answering = mtp.training.distill.continuous_batching
+
+    def killed_after_two(*args):  # the process dies after its second answer is written
+        for count, answer in enumerate(answering(*args)):
+            if count == 2:
+                raise KeyboardInterrupt
+            yield answer
+
+    monkeypatch.setattr(mtp.training.distill, "continuous_batching", killed_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        run_distill(distill, base, tmp_path / "split", rank=0, world_size=3)
+    monkeypatch.setattr(mtp.training.distill, "continuous_batching", answering)
+    run_distill(distill, base, tmp_path / "split", rank=2, world_size=3)  # rank 1 never ran
+    assert len(lines(tmp_path / "split")) == 2 + 3
+    for rank in (0, 1):  # rerun on 2 processes: they share out what is left
+        run_distill(distill, base, tmp_path / "split", rank=rank, world_size=2)
+    assert by_index(lines(tmp_path / "split")) == by_index(lines(tmp_path / "alone"))  # each prompt once
+
+
+def test_training_under_ddp_on_two_processes_distills_on_both_first(tmp_path):
+    """train.py with 2 CPU processes (gloo): each process answers its share into its own shard, both wait for
+    the other, then train on all of them; the answers are one process's, order aside."""
+    base = varied_tiny_base(tmp_path / "model")
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(
+        json.dumps([{"conversations": [{"from": "human", "value": f"Question {i}?"}]} for i in range(8)])
+    )
+    command = [sys.executable, str(ROOT / "train.py"), "fit", "--config", str(ROOT / "configs" / "tiny.yaml"),
+               "--model.base_model", base, "--data.data", str(tmp_path / "answers"), "--data.distill.prompts",
+               str(prompts), "--data.distill.max_new_tokens", "6", "--data.distill.batch_size", "2",
+               "--data.batch_size", "2", "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu",
+               "--trainer.devices", "2", "--trainer.max_steps", "2", "--trainer.enable_progress_bar", "false",
+               "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(path.name for path in (tmp_path / "answers").iterdir()) == ["rank-00000", "rank-00001"]
+    run_distill(Distill(prompts=str(prompts), max_new_tokens=6, batch_size=2), base, tmp_path / "alone")
+    assert by_index(lines(tmp_path / "answers")) == by_index(lines(tmp_path / "alone"))

@@ -77,7 +77,8 @@ def test_training_logits_over_a_draft_vocabulary_are_the_full_logits_draft_colum
     full = heads(hidden, lm_head_module).flatten(1, 2)  # (3, 10, V)
 
     def draft():  # the training call: (3, 10, size)
-        return heads.teacher_forced(hidden, None, input_ids, keep, lm_head_module, model.get_input_embeddings())[0]
+        states = heads.teacher_forced(hidden, None, input_ids, keep, model.get_input_embeddings())  # (3, 10, H)
+        return heads.project(states, lm_head_module)
 
     with torch.no_grad():  # decoding: the rows are gathered once and kept
         for size in (40, 60):  # a second list on the same heads: the cached rows of the first must not serve it

@@ -1,6 +1,12 @@
 import torch
 
-from mtp.training.loss import IGNORE, default_weights, head_targets, heads_loss
+from mtp.training.loss import IGNORE, default_weights, head_targets, summed_cross_entropy, weighted
+
+
+def heads_loss(logits, targets, weights, teacher=None):
+    """The multi-head loss as training makes it from one chunk: (total, per-head means)."""
+    return weighted(summed_cross_entropy(logits, targets, teacher), targets, weights)
+
 
 VOCAB = 11
 

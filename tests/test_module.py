@@ -272,3 +272,31 @@ def test_the_draft_vocabulary_is_the_most_frequent_training_targets_and_is_saved
     assert json.loads(saved.read_text())["draft_vocab"] == draft
     with pytest.raises(ValueError, match="draft_vocab=-1"):
         DrafterModule(TINY_BASE, draft_vocab=-1)
+
+
+@pytest.mark.parametrize("head_type, options", [("hydra", {"teacher": True, "lm_head": "own"}),
+                                                ("eagle", {"feature_loss": 0.5})])  # fmt: skip
+def test_the_loss_over_chunks_of_positions_and_its_gradients_equal_the_loss_over_all_at_once(head_type, options):
+    """`loss_chunk` bounds the loss's memory (a chunk's logits are recomputed in the backward pass): the loss, its
+    gradients and the accuracies must not change, over the draft vocabulary too."""
+    tokenizer = load_tokenizer(TINY_BASE)
+    examples = [(*encode(tokenizer, to_example(row), 512), i) for i, row in enumerate(read_rows(TINY_CHAT)[:4])]
+    batch = collate(examples)
+    found = []
+    for chunk in (100_000, 7):  # one chunk; many (the batch has hundreds of positions)
+        torch.manual_seed(0)
+        module = DrafterModule(TINY_BASE, num_heads=3, head_type=head_type, loss_chunk=chunk, **options)
+        for parameter in module.heads.parameters():
+            torch.nn.init.normal_(parameter, std=0.3)
+        module.heads.set_draft_vocab(list(range(0, module.heads.config.vocab_size, 3)), module.base_model)
+        loss = module.training_step(batch, 0)
+        loss.backward()
+        gradients = {name: p.grad.clone() for name, p in module.heads.named_parameters() if p.grad is not None}
+        accuracy = {name: float(metric.compute()) for name, metric in module.metrics.items() if metric.update_count}
+        found.append((loss.detach(), gradients, accuracy))
+    (loss, gradients, accuracy), (chunked, chunked_gradients, chunked_accuracy) = found
+    assert batch["loss_mask"].sum() > 10 * 7 and len(gradients) >= 3
+    torch.testing.assert_close(chunked, loss)
+    assert chunked_gradients.keys() == gradients.keys() and chunked_accuracy == accuracy
+    for name, gradient in gradients.items():
+        torch.testing.assert_close(chunked_gradients[name], gradient, rtol=1e-4, atol=1e-6, msg=name)

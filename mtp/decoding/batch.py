@@ -155,7 +155,7 @@ class Batch:
                prefix_lens: torch.Tensor):  # fmt: skip
         """Keep each row's accepted nodes in the cache (the rest dropped) and hand them to the drafters; each row
         moves past them and its drafters' skills follow (`Pacer.update`). Returns `step`'s results."""
-        with record_function("mtp.decoding.cache"):
+        with record_function("mtp.cache"):
             self.slots = keep_accepted(self.cache, self.slots, nodes, prefix_lens)
         with record_function("mtp.drafters"):
             for proposer in self.proposers:

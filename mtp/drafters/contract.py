@@ -136,8 +136,8 @@ def from_hub(repo_id: str) -> Path:
 class Drafter(nn.Module, metaclass=ABCMeta):
     """A drafter: its weights, its `config` and the folder it was loaded from (`folder`; None for a new one), and
     all that training (`mtp.training`), sizing and export (`mtp.tools`) and decoding (`mtp.decoding`) know of it:
-    none of them names a kind. A kind subclasses this with `kind=NAME`, the `head_type` that names it
-    in configs, and joins `kinds`; it defines `new`, `teacher_forced`, `path_guesses` and `proposer`, and where it
+    none of them names a kind. A kind subclasses this with `kind=NAME`, the `head_type` that names it in configs,
+    and joins `kinds`; it defines `new`, `teacher_forced`, `project`, `path_guesses` and `proposer`, and where it
     differs, `default_layers`, `max_depth`, `exports`, `from_foreign` and `set_draft_vocab`."""
 
     config: DrafterConfig
@@ -173,12 +173,17 @@ class Drafter(nn.Module, metaclass=ABCMeta):
         """A new drafter of this shape for `base_model`, before training."""
 
     @abstractmethod
-    def teacher_forced(self, hidden, features, input_ids, keep, base_lm_head, embed) -> tuple[torch.Tensor, ...]:
-        """Training, at the N positions `keep` (B, T) marks: the logits (K, N, V) of its K steps, step k guessing
-        token t + k + 2 (over the draft vocabulary, (K, N, D), when it has one), and the states (K, N, H) that its
-        vocabulary projection reads. hidden (B, T, H): the base model's last hidden states; features (B, T, L H):
-        its hidden states at `config.feature_layers`; input_ids (B, T): the true tokens, which a drafter that reads
-        the path reads; embed and base_lm_head: the base model's input embedding and lm_head."""
+    def teacher_forced(self, hidden, features, input_ids, keep, embed) -> torch.Tensor:
+        """Training, at the N positions `keep` (B, T) marks: the states (K, N, H) of its K steps that `project`
+        scores, step k guessing token t + k + 2. hidden (B, T, H): the base model's last hidden states; features
+        (B, T, L H): its hidden states at `config.feature_layers`; input_ids (B, T): the true tokens, which a
+        drafter that reads the path reads; embed: the base model's input embedding."""
+
+    @abstractmethod
+    def project(self, states: torch.Tensor, base_lm_head: nn.Module) -> torch.Tensor:
+        """The logits of every step's states (K, ..., H), over the whole vocabulary (K, ..., V), or over the draft
+        vocabulary (K, ..., D) when it has one; base_lm_head: the base model's lm_head. Training calls it on a
+        chunk of positions at a time (`DrafterModule.loss_chunk`)."""
 
     @abstractmethod
     def path_guesses(self, hidden, features, input_ids, base_lm_head, embed, k: int) -> torch.Tensor:

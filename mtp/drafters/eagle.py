@@ -242,9 +242,9 @@ class Eagle(Drafter, kind="eagle"):
 
     def logits(self, features: torch.Tensor, base_lm_head: nn.Module) -> torch.Tensor:
         """Draft-vocabulary logits (..., D) of the drafter's output features (..., H)."""
-        return self._project(self.norm(features), base_lm_head)
+        return self.project(self.norm(features), base_lm_head)
 
-    def _project(self, normed: torch.Tensor, base_lm_head: nn.Module) -> torch.Tensor:
+    def project(self, normed: torch.Tensor, base_lm_head: nn.Module) -> torch.Tensor:
         """Draft-vocabulary logits (..., D) of normed output features (..., H)."""
         if self.lm_head is not None:
             return self.lm_head(normed)
@@ -258,12 +258,10 @@ class Eagle(Drafter, kind="eagle"):
             self._rows_key, self._rows_cache = key, weight[self.draft_ids].detach()
         return self._rows_cache
 
-    def teacher_forced(self, hidden, features, input_ids, keep, base_lm_head, embed) -> tuple[torch.Tensor, ...]:
-        """The draft logits (K, N, D) of the K unrolled steps and their normed output features (K, N, H), step k
-        where head k of Medusa heads would be (at position t, the last true feature of its chain, for token
-        t + k + 2); `hidden` is unused."""
-        normed = self.norm(self._aligned(features, input_ids, embed)[:, keep])  # (K, N, H)
-        return self._project(normed, base_lm_head), normed
+    def teacher_forced(self, hidden, features, input_ids, keep, embed) -> torch.Tensor:
+        """The normed output features (K, N, H) of the K unrolled steps, step k where head k of Medusa heads would
+        be (at position t, the last true feature of its chain, for token t + k + 2); `hidden` is unused."""
+        return self.norm(self._aligned(features, input_ids, embed)[:, keep])  # (K, N, H)
 
     def path_guesses(self, hidden, features, input_ids, base_lm_head, embed, k: int) -> torch.Tensor:
         """Target ids of every step's top-k guesses at every position of one sequence, unrolled along the true

@@ -72,14 +72,14 @@ class Heads(Drafter):
         """These heads drafting over the rows of a batch (`mtp.decoding.proposer`), on the trees of each step's plan."""
         return HeadsProposer(self, target, cut)
 
-    def teacher_forced(self, hidden, features, input_ids, keep, base_lm_head, embed) -> tuple[torch.Tensor, ...]:
-        """Every head's logits and states (see `Drafter.teacher_forced`), heads that read the path reading the true
-        tokens; `features` is unused (no layers but the last)."""
+    def teacher_forced(self, hidden, features, input_ids, keep, embed) -> torch.Tensor:
+        """Every head's states (see `Drafter.teacher_forced`), heads that read the path reading the true tokens;
+        `features` is unused (no layers but the last)."""
         following = None  # (N, K, H) the input embeddings of the true tokens t+1 .. t+K, for heads that read them
         if self.reads_path:
             following = embed(following_tokens(input_ids, self.config.num_heads)[keep])
         states = self._states(hidden[keep], following, 0, self.config.num_heads)  # (K, N, H)
-        return self._logits(states, base_lm_head), states
+        return states
 
     def path_guesses(self, hidden, features, input_ids, base_lm_head, embed, k: int) -> torch.Tensor:
         """Token ids of every head's top-k guesses at every position of one sequence, heads that read the path
@@ -101,16 +101,16 @@ class Heads(Drafter):
     def forward(self, hidden: torch.Tensor, base_lm_head: nn.Module, following=None) -> torch.Tensor:
         """Every head's logits over the whole vocabulary: hidden (..., H) -> (K, ..., V); `following` as in
         `state`."""
-        return self._project(self._states(hidden, following, 0, self.config.num_heads), base_lm_head)
+        return self._project_whole(self._states(hidden, following, 0, self.config.num_heads), base_lm_head)
 
-    def _logits(self, states: torch.Tensor, base_lm_head: nn.Module, first: int = 0) -> torch.Tensor:
+    def project(self, states: torch.Tensor, base_lm_head: nn.Module, first: int = 0) -> torch.Tensor:
         """Logits of heads first .. first+K-1 from their states (K, ..., H): over the draft vocabulary if there is
         one (K, ..., N), else the whole (K, ..., V)."""
         if self.config.draft_vocab is None:
-            return self._project(states, base_lm_head, first)
-        return self._draft_project(states, base_lm_head, first)
+            return self._project_whole(states, base_lm_head, first)
+        return self._project_draft(states, base_lm_head, first)
 
-    def _draft_project(self, states: torch.Tensor, base_lm_head: nn.Module, first: int = 0) -> torch.Tensor:
+    def _project_draft(self, states: torch.Tensor, base_lm_head: nn.Module, first: int = 0) -> torch.Tensor:
         """Draft-vocabulary logits of heads first .. first+K-1 from their states: (K, ..., H) -> (K, ..., N)."""
         _, weights = self._draft_rows(base_lm_head)  # (K or 1, N, H)
         flat = states.flatten(1, -2) if states.dim() > 2 else states[:, None]  # (K, M, H)
@@ -121,7 +121,7 @@ class Heads(Drafter):
         """States of heads first .. last-1: (K, ..., H)."""
         return torch.stack([self.state(k, hidden, following) for k in range(first, last)])
 
-    def _project(self, states: torch.Tensor, base_lm_head: nn.Module, first: int = 0) -> torch.Tensor:
+    def _project_whole(self, states: torch.Tensor, base_lm_head: nn.Module, first: int = 0) -> torch.Tensor:
         """Whole-vocabulary logits of heads first .. first+K-1 from their states: (K, ..., H) -> (K, ..., V)."""
         if self.projections is None:  # one pass over the shared weight for all heads, not one per head
             return base_lm_head(states)
@@ -130,7 +130,7 @@ class Heads(Drafter):
     def guess(self, hidden, following, head: int, k: int, base_lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """Head `head`'s top-k guesses, from the draft vocabulary if there is one: their token ids (..., k) and log
         probabilities (..., k), most probable first; hidden (..., H) and `following` as in `state`."""
-        logits = self._logits(self._states(hidden, following, head, head + 1), base_lm_head, head)[0]  # (..., V or N)
+        logits = self.project(self._states(hidden, following, head, head + 1), base_lm_head, head)[0]  # (..., V or N)
         logp, best = logits.float().log_softmax(-1).topk(k, dim=-1)
         return (best if self.config.draft_vocab is None else self._draft_rows(base_lm_head)[0][best]), logp
 

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
-from mtp.base import DEFAULT_BASE, load_tokenizer
+from mtp.base import DEFAULT_BASE, compute_dtype, load_tokenizer
 from mtp.training.distill import Distill, run_distill
 from mtp.training.rows import FORMATS, read_rows, to_example
 
@@ -100,7 +100,8 @@ class DrafterDataModule(L.LightningDataModule):
                 chat `messages`, Alpaca or `text`. With `distill`, the JSON-lines file that the base model's
                 answers are written to (and resumed from) before training.
             base_model: whose tokenizer and chat template to apply (linked to the model's base_model).
-            distill: self-distillation: the base model answers these prompts, and the heads learn its answers.
+            distill: self-distillation: the base model answers these prompts, and the drafter learns its answers;
+                every process answers its share on its own device, in the compute dtype, before training.
             split: split of a `datasets` id or dataset folder.
             max_length: tokens per example; longer ones are truncated.
             batch_size: examples per batch, grouped by length.
@@ -118,13 +119,17 @@ class DrafterDataModule(L.LightningDataModule):
         self.val_data = val_data
         self.train_batches = self.val_batches = None
 
-    def prepare_data(self) -> None:
-        if self.distill is not None:
-            run_distill(self.distill, self.base_model, self.data)
-
     def setup(self, stage: str) -> None:
         if self.train_batches is not None:
             return
+        if self.distill is not None:  # every process answers its share on its own device, then all read every shard
+            trainer = self.trainer
+            rank, world_size = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
+            device = trainer.strategy.root_device if trainer else torch.device("cpu")
+            run_distill(self.distill, self.base_model, self.data, rank, world_size, device,
+                        compute_dtype(trainer.precision if trainer else "32-true"))  # fmt: skip
+            if trainer:
+                trainer.strategy.barrier("distilled")
         tokenizer = load_tokenizer(self.base_model)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         examples, prompts = self._read(tokenizer, self.data)

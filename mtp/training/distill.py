@@ -1,4 +1,10 @@
-"""Self-distillation: the base model answers prompts; its answers become the heads' training data."""
+"""Self-distillation: the base model answers prompts; its answers become the drafter's training data.
+
+Every process of a run answers its own share of the prompts (those at its rank's places, every `world_size`-th,
+after they are ordered by length, so each share holds as many short and long prompts), on its own device in the
+compute dtype, into its own shard `rank-NNNNN/` of the output folder; training reads every shard. A rerun (after a
+crash, or with another number of processes) first reads what every shard already holds and answers only the rest.
+"""
 
 import gzip
 import itertools
@@ -65,12 +71,13 @@ def pack(part: Path) -> None:
     part.unlink()
 
 
-def read_done(folder: Path) -> set[int]:
-    """Indices of prompts already answered in the parts of `folder`; a torn last line of the open part (from a
-    crash) is cut off."""
-    done = {row["index"] for part in sorted(folder.glob("part-*.jsonl.gz")) for row in read_rows(str(part))}
-    part, good_bytes = open_part(folder), 0
-    if part.is_file():
+def read_done(folder: Path, shard: Path) -> set[int]:
+    """Indices of prompts already answered in the parts under `folder`, every shard's. A torn last line of the
+    open part of `shard` (this process's, from a crash) is cut off; one in another shard's open part (being
+    written now by another process, or left by an older run) ends the reading of that part."""
+    done = {row["index"] for part in sorted(folder.rglob("part-*.jsonl.gz")) for row in read_rows(str(part))}
+    for part in sorted(folder.rglob("part-*.jsonl")):
+        good_bytes = 0
         with part.open("rb") as file:
             for line in file:
                 try:
@@ -78,14 +85,17 @@ def read_done(folder: Path) -> set[int]:
                 except (json.JSONDecodeError, KeyError, UnicodeDecodeError):
                     break
                 good_bytes += len(line)
-        if good_bytes < part.stat().st_size:
+        if part.parent == shard and good_bytes < part.stat().st_size:
             os.truncate(part, good_bytes)
     return done
 
 
-def run_distill(distill: Distill, base_model: str, out: str | Path) -> None:
-    """Answer every prompt not yet answered in the folder `out`, appending each answer as it ends to its open part
-    (JSON lines of `{index, messages}`) and compressing each part once it holds `part_size` answers."""
+def run_distill(distill: Distill, base_model: str, out: str | Path, rank: int = 0, world_size: int = 1,
+                device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> None:  # fmt: skip
+    """Answer this process's share of the prompts that no shard of the folder `out` answered yet, with the base
+    model on `device` in `dtype`, appending each answer as it ends to the open part of the shard `rank-NNNNN/`
+    (JSON lines of `{index, messages}`) and compressing each part once it holds `part_size` answers. `rank` of
+    `world_size` processes: the share is every `world_size`-th of the prompts ordered by length, from `rank`."""
     out = Path(out)
     if out.is_file() or out.name.endswith((".json", ".jsonl", ".gz")):
         raise ValueError(f"Distilled answers go to a folder of parts, not to the file {str(out)!r}: drop the suffix.")
@@ -100,17 +110,18 @@ def run_distill(distill: Distill, base_model: str, out: str | Path) -> None:
             )
             if len(ids) <= distill.max_prompt_tokens:
                 prompts[index] = (users[0], ids)
-    selected = list(prompts)[: distill.limit]
-    done = read_done(out)
-    todo = sorted((i for i in selected if i not in done), key=lambda i: len(prompts[i][1]))  # similar lengths meet
+    ordered = sorted(list(prompts)[: distill.limit], key=lambda i: (len(prompts[i][1]), i))  # similar lengths meet
+    shard = out / f"rank-{rank:05d}"
+    done = read_done(out, shard)
+    todo = [i for i in ordered[rank::world_size] if i not in done]
     if not todo:
         return
-    model, _ = load_base(base_model)  # the tokenizer is already loaded
-    out.mkdir(parents=True, exist_ok=True)
-    part = open_part(out)
+    model, _ = load_base(base_model, device=device, dtype=dtype, fast=False)  # the tokenizer is already loaded
+    shard.mkdir(parents=True, exist_ok=True)
+    part = open_part(shard)
     count = part.read_bytes().count(b"\n") if part.is_file() else 0  # answers in the open part
     start, tokens = time.perf_counter(), 0
-    with tqdm(total=len(todo), desc="self-distilling", unit="prompt") as bar:
+    with tqdm(total=len(todo), desc=f"self-distilling (rank {rank} of {world_size})", unit="prompt") as bar:
         for i, answer in continuous_batching(model, [(i, prompts[i][1]) for i in todo], distill):
             text = tokenizer.decode(answer, skip_special_tokens=True).strip()
             messages = [{"role": "user", "content": prompts[i][0]}, {"role": "assistant", "content": text}]
@@ -121,7 +132,7 @@ def run_distill(distill: Distill, base_model: str, out: str | Path) -> None:
             count += 1
             if count == distill.part_size:
                 pack(part)
-                part, count = open_part(out), 0
+                part, count = open_part(shard), 0
             tokens += len(answer)
             bar.set_postfix(answer_tokens_per_s=f"{tokens / (time.perf_counter() - start):.1f}")
             bar.update()
@@ -139,7 +150,7 @@ def continuous_batching(model, prompts: list[tuple[int, list[int]]], distill: Di
     out. Each row has its own position ids, so a row computes what it would compute alone. Columns that no row
     sees any more are cut from the left.
     """
-    eos = eos_ids(model)
+    eos, device = eos_ids(model), model.device
     queue = iter(prompts)
     rows: list[tuple[int, list[int]] | None] = []  # per row: (prompt index, answer so far), None when free
     cache, seen = None, torch.zeros(0, 0, dtype=torch.bool)  # seen (B, L): the cache columns each row attends to
@@ -149,7 +160,7 @@ def continuous_batching(model, prompts: list[tuple[int, list[int]]], distill: Di
     def choose(logits: torch.Tensor, indices: list[int]) -> list[int]:  # logits (n, V): the rows' next tokens
         if distill.temperature == 0:
             return logits.argmax(-1).tolist()
-        probs = (logits.float() / distill.temperature).softmax(-1)  # (n, V)
+        probs = (logits.float() / distill.temperature).softmax(-1).cpu()  # (n, V): drawn on the CPU, on any device
         for index in indices:
             if index not in generators:
                 generators[index] = torch.Generator().manual_seed(distill.seed + index)
@@ -173,14 +184,15 @@ def continuous_batching(model, prompts: list[tuple[int, list[int]]], distill: Di
         finished = []
         if new:  # prefill the prompts that start now, left-padded together, then give each a free row
             width = max(len(ids) for _, ids in new)
-            mask = torch.tensor([[False] * (width - len(ids)) + [True] * len(ids) for _, ids in new])  # (n, W)
-            ids = torch.tensor([[0] * (width - len(ids)) + ids for _, ids in new])  # (n, W)
+            mask = torch.tensor([[False] * (width - len(ids)) + [True] * len(ids) for _, ids in new], device=device)
+            ids = torch.tensor([[0] * (width - len(ids)) + ids for _, ids in new], device=device)  # (n, W) twice
             fresh = DynamicCache()
             logits = model(input_ids=ids, attention_mask=mask.long(), position_ids=(mask.cumsum(1) - 1).clamp(min=0),
                            cache=fresh, use_cache=True, logits_to_keep=1).logits[:, -1]  # (n, V)  # fmt: skip
             if cache is None:  # the first prompts: their cache is the batch's
                 cache, seen, rows = fresh, mask, [None] * len(new)
-                positions, last, slots = mask.sum(1), torch.zeros(len(new), dtype=torch.long), list(range(len(new)))
+                positions, last = mask.sum(1), torch.zeros(len(new), dtype=torch.long, device=device)
+                slots = list(range(len(new)))
             else:
                 slots, grow = free[: len(new)], max(width - seen.shape[1], 0)  # columns to add on the left
                 seen = torch.nn.functional.pad(seen, (grow, 0))  # (B, L); a free row sees nothing (settle)
@@ -202,10 +214,11 @@ def continuous_batching(model, prompts: list[tuple[int, list[int]]], distill: Di
             if not active:
                 return
             if len(active) < len(rows):  # no prompt left to fill the free rows: drop them
-                cache.batch_select_indices(torch.tensor(active))
+                cache.batch_select_indices(torch.tensor(active, device=device))
                 seen, positions, last = seen[active], positions[active], last[active]
                 rows = [rows[row] for row in active]
-            seen = torch.cat([seen, torch.ones(len(rows), 1, dtype=torch.bool)], 1)  # (B, L+1) the new column
+            column = torch.ones(len(rows), 1, dtype=torch.bool, device=device)  # (B, 1) the new token's
+            seen = torch.cat([seen, column], 1)  # (B, L+1)
             logits = model(input_ids=last[:, None], attention_mask=seen.long(), position_ids=positions[:, None],
                            cache=cache, use_cache=True).logits[:, -1]  # (B, V)  # fmt: skip
             positions += 1

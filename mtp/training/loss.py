@@ -45,20 +45,16 @@ def default_weights(num_heads: int, decay: float = 0.8) -> list[float]:
     return [decay**k for k in range(num_heads)]
 
 
-def heads_loss(
-    logits: torch.Tensor, targets: torch.Tensor, weights: list[float], teacher: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weighted sum over heads of the mean cross-entropy over each head's unmasked targets.
+def summed_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, teacher: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per head, the cross-entropy summed over its unmasked targets: (K,); `weighted` makes the loss of them.
 
     Args:
         logits: (K, N, V) head logits at N positions.
         targets: (K, N) targets, IGNORE where masked.
-        weights: K weights.
         teacher: (K, N, V) logits of the distribution to learn instead of the target tokens (soft
             cross-entropy), at the same unmasked positions.
-
-    Returns:
-        (total loss, (K,) per-head losses); a head with no target in the batch contributes 0.
     """
     flat = logits.flatten(0, 1).float()  # (K N, V)
     if teacher is None:
@@ -66,11 +62,14 @@ def heads_loss(
     else:
         soft = teacher.flatten(0, 1).float().softmax(-1)  # (K N, V)
         per_head = F.cross_entropy(flat, soft, reduction="none").masked_fill(targets.flatten() == IGNORE, 0.0)
-    per_head = per_head.view(targets.shape)  # (K, N)
-    counts = (targets != IGNORE).sum(1)  # (K,)
-    per_head = per_head.sum(1) / counts.clamp(min=1)  # (K,)
-    total = (per_head * per_head.new_tensor(weights)).sum()
-    return total, per_head
+    return per_head.view(targets.shape).sum(1)  # (K,)
+
+
+def weighted(sums: torch.Tensor, targets: torch.Tensor, weights: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weighted sum over heads of each head's mean loss over its unmasked targets (K, N), and the (K,) means,
+    from the heads' summed losses (K,); a head with no target in the batch contributes 0."""
+    per_head = sums / (targets != IGNORE).sum(1).clamp(min=1)  # (K,)
+    return (per_head * per_head.new_tensor(weights)).sum(), per_head
 
 
 def feature_regression(outputs: torch.Tensor, wanted: torch.Tensor, targets: torch.Tensor, weights: list[float]):

@@ -3,6 +3,7 @@
 import math
 import warnings
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 import lightning as L
@@ -10,9 +11,10 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 from torchmetrics import MeanMetric
 
-from mtp.base import DEFAULT_BASE, load_base
+from mtp.base import DEFAULT_BASE, compute_dtype, load_base
 from mtp.drafters.contract import Drafter, DrafterConfig, base_identity, weights_fingerprint
 from mtp.training.lora import Lora, divergence, with_adapters
 from mtp.training.loss import (
@@ -22,9 +24,10 @@ from mtp.training.loss import (
     default_weights,
     draft_columns,
     feature_regression,
-    head_targets,  # fmt: skip
-    heads_loss,
+    head_targets,
     shifted,
+    summed_cross_entropy,
+    weighted,
 )
 
 TOP_K = (1, 5)
@@ -54,6 +57,8 @@ class DrafterModule(L.LightningModule):
         feature_noise: float = 0.0,
         cache_dtype: str = "float32",
         feature_loss: float = 0.0,
+        loss_chunk: int = 1024,
+        precision: str = "32-true",
     ):
         """Medusa-style heads trained by teacher forcing on a frozen base model (or, with `lora`, on the base
         model trained through low-rank adapters at the same time).
@@ -90,6 +95,12 @@ class DrafterModule(L.LightningModule):
             feature_loss: the weight of a feature regression added to the loss (0: none): the smooth-L1 distance
                 between the state each step projects (`eagle`: its normed output) and the base model's last hidden
                 state that scores the same token (what the base's lm_head reads), as EAGLE trains its features.
+            loss_chunk: positions whose logits the loss computes at once: each chunk's logits (K x loss_chunk x
+                the vocabulary or draft vocabulary, float32) are dropped after its loss and computed again in the
+                backward pass, so the loss's peak memory is one chunk's, whatever the batch.
+            precision: the trainer's precision (train.py links `trainer.precision` here): the frozen base loads in
+                its compute dtype, bfloat16 under `bf16-*` (half the memory), else float32; the drafter trains in
+                float32.
         """
         super().__init__()
         if isinstance(lora, dict):  # from a checkpoint's hyperparameters
@@ -105,6 +116,8 @@ class DrafterModule(L.LightningModule):
             raise ValueError(f"draft_vocab={draft_vocab}: use 0 (the whole vocabulary) or a number of tokens.")
         if feature_loss < 0:
             raise ValueError(f"feature_loss={feature_loss}: give a weight >= 0 (0: no feature regression).")
+        if loss_chunk < 1:
+            raise ValueError(f"loss_chunk={loss_chunk}: give the positions a chunk of the loss holds, at least 1.")
         if cache_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"cache_dtype={cache_dtype!r}: choose 'float32' or 'bfloat16'.")
         if lora is not None and cache_hidden:
@@ -112,7 +125,8 @@ class DrafterModule(L.LightningModule):
                 "cache_hidden with lora: the adapted base's hidden states change every step, so they cannot be "
                 "cached; set cache_hidden: false (or drop lora to keep the base frozen)."
             )
-        self.base_model, tokenizer = load_base(base_model, fast=False)  # training: the usual products
+        dtype = compute_dtype(precision)
+        self.base_model, tokenizer = load_base(base_model, dtype=dtype, fast=False)  # training: the usual products
         self.base_model.requires_grad_(False)
         identity = base_identity(base_model, self.base_model, tokenizer)
         depth = self.base_model.config.get_text_config(decoder=True).num_hidden_layers
@@ -127,7 +141,7 @@ class DrafterModule(L.LightningModule):
             num_heads=num_heads, num_layers=num_layers, lm_head=lm_head, head_type=head_type,
             feature_layers=feature_layers or [], **identity,
         )  # fmt: skip
-        self.heads = Drafter.kinds[config.head_type].new(config, self.base_model)
+        self.heads = Drafter.kinds[config.head_type].new(config, self.base_model).float()  # float32 master weights
         if init_heads is not None:
             start = Drafter.from_pretrained(init_heads)
             start.check_base(base_model, self.base_model, tokenizer)
@@ -201,8 +215,7 @@ class DrafterModule(L.LightningModule):
         targets = targets[:, keep]  # (K, N)
         lm_head, num_heads = self.base_model.get_output_embeddings(), len(self.weights)
         embed = self.base_model.get_input_embeddings()
-        # (K, N, V), or (K, N, D): the heads learn to rank the draft tokens only, as they will when decoding
-        logits, outputs = self.heads.teacher_forced(hidden, features, batch["input_ids"], keep, lm_head, embed)
+        outputs = self.heads.teacher_forced(hidden, features, batch["input_ids"], keep, embed)  # (K, N, H)
         draft = self.heads.config.draft_vocab
         scored = targets if draft is None else draft_columns(targets, draft, self.heads.config.vocab_size)  # (K, N)
         # (K, N, H) the base model's last hidden state at t+k+1, which scores token t+k+2; a target, not a path for
@@ -210,11 +223,18 @@ class DrafterModule(L.LightningModule):
         before = None
         if self.hparams.teacher or self.hparams.feature_loss:
             before = torch.stack([shifted(hidden.detach(), k + 1)[keep] for k in range(num_heads)])
-        teacher = None
-        if self.hparams.teacher:  # head k's target: the base model's own prediction at t+k+1, for token t+k+2
+        rows = None  # head k's target with a teacher: the base model's own prediction at t+k+1, for token t+k+2
+        if self.hparams.teacher:
             rows = lm_head.weight if draft is None else lm_head.weight[torch.tensor(draft, device=hidden.device)]
-            teacher = before @ rows.T  # (K, N, V or D)
-        loss, per_head = heads_loss(logits, targets if teacher is not None else scored, self.weights, teacher)
+        chunk, count = self.hparams.loss_chunk, targets.shape[1]
+        score = partial(self._scored, lm_head, rows)
+        if count > chunk:  # each chunk's logits recomputed in the backward pass instead of kept
+            score = partial(checkpoint, score, use_reentrant=False)
+        pieces = [slice(start, start + chunk) for start in range(0, max(count, 1), chunk)]
+        found = [score(outputs[:, at], None if rows is None else before[:, at], targets[:, at], scored[:, at])
+                 for at in pieces]  # fmt: skip  # per chunk: summed losses (K,), hits (K, n, RANKS)
+        loss, per_head = weighted(sum(sums for sums, _ in found), targets if rows is not None else scored, self.weights)
+        hits = torch.cat([chunk_hits for _, chunk_hits in found], 1)  # (K, N, RANKS)
         batch_size = batch["input_ids"].shape[0]
         if self.hparams.feature_loss:
             regression = feature_regression(outputs, before, targets, self.weights)
@@ -229,10 +249,6 @@ class DrafterModule(L.LightningModule):
             self.log(f"{stage}/agreement", agreement, prog_bar=stage == "val", batch_size=batch_size,
                      sync_dist=stage == "val")  # fmt: skip
         self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=batch_size, sync_dist=stage == "val")
-        # hits[k, n, r]: head k's rank-r guess at position n is the target (MulticlassAccuracy over a
-        # 49k-class vocabulary is orders of magnitude slower than this); a target outside the draft vocabulary
-        # is scored IGNORE, matches no column and counts as a miss
-        hits = logits.detach().topk(RANKS, dim=-1).indices == scored.unsqueeze(-1)  # (K, N, RANKS)
         if stage == "val":
             self.rank_accuracy.update(hits, targets != IGNORE)
         for k in range(len(self.weights)):
@@ -245,6 +261,20 @@ class DrafterModule(L.LightningModule):
                     f"{stage}/head{k}_top{top}", metric, prog_bar=top == 1 and stage == "val", batch_size=batch_size
                 )
         return loss
+
+    def _scored(self, lm_head: nn.Module, rows: torch.Tensor | None, states: torch.Tensor, before: torch.Tensor | None,
+                targets: torch.Tensor, scored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The loss of the drafter's states (K, n, H) at n positions: each head's summed loss (K,), and hits (K, n,
+        RANKS), head k's rank-r guess at position n is the target. With `rows` (the lm_head's rows of the
+        vocabulary the drafter ranks), the teacher's distribution from the base's hidden states `before` (K, n, H)
+        is the target; else the tokens: `targets` (K, n), or their draft-vocabulary columns `scored`."""
+        logits = self.heads.project(states, lm_head)  # (K, n, V), or (K, n, D): the draft tokens alone, as decoding
+        teacher = None if rows is None else before @ rows.T  # (K, n, V or D)
+        sums = summed_cross_entropy(logits, targets if teacher is not None else scored, teacher)
+        # (MulticlassAccuracy over a 49k-class vocabulary is orders of magnitude slower than this); a target outside
+        # the draft vocabulary is scored IGNORE, matches no column and counts as a miss
+        hits = logits.detach().topk(RANKS, dim=-1).indices == scored.unsqueeze(-1)  # (K, n, RANKS)
+        return sums, hits
 
     def drift(self, batch: dict[str, torch.Tensor], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """KL(original || adapted) of the next-token distributions, and the share of positions where their top-1
