@@ -14,7 +14,6 @@ from torch.profiler import record_function
 from transformers import DynamicCache
 
 from mtp.decoding import acceptance
-from mtp.decoding.acceptance import draw
 from mtp.decoding.cache import append_rows, grouped_keys, keep_accepted, keep_rows, tree_attention_mask
 from mtp.decoding.pacing import Pacer, Plan, Skill
 from mtp.decoding.proposer import Proposer
@@ -70,7 +69,7 @@ class Batch:
         if self.sampling.greedy:
             root = int(logits.argmax())
         else:
-            root = draw(self.sampling.probabilities(logits).cpu(), self.generator)
+            root = acceptance.draw(self.sampling.probabilities(logits).cpu(), self.generator)
         slots = torch.arange(input_ids.shape[1], device=self.device)[None]  # (1, T)
         if self.rows:
             self.slots = append_rows(self.cache, self.slots, cache, slots)

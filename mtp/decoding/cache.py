@@ -112,14 +112,14 @@ def keep_accepted(cache: DynamicCache, slots: torch.Tensor, nodes: list[torch.Te
     """
     length = slots.shape[1]
     accepted = torch.nn.utils.rnn.pad_sequence(nodes, batch_first=True, padding_value=-1)  # (B, A)
-    kept = length + accepted.shape[1]
+    end = length + accepted.shape[1]  # the slots after the pass
     # every row accepted the first nodes of its pass (a plain step, a chain): they are where they are kept
     in_place = torch.equal(accepted, torch.arange(accepted.shape[1], device=slots.device).expand_as(accepted))
     index = (length + accepted.clamp(min=0))[:, None, :, None]  # (B, 1, A, 1) the nodes' slots in the pass
     for layer in cache.layers:
         for states in () if in_place else (layer.keys, layer.values):  # (B, heads, T+Q, D)
-            states[:, :, length:kept] = states.gather(2, index.expand(-1, states.shape[1], -1, states.shape[3]))
-        layer.crop(kept - layer.keys.shape[-2])
+            states[:, :, length:end] = states.gather(2, index.expand(-1, states.shape[1], -1, states.shape[3]))
+        layer.crop(end - layer.keys.shape[-2])
     new = prefix_lens[:, None] + torch.arange(accepted.shape[1], device=slots.device)  # (B, A)
     return torch.cat([slots, new.masked_fill(accepted < 0, -1)], 1)
 

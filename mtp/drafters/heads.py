@@ -78,8 +78,7 @@ class Heads(Drafter):
         following = None  # (N, K, H) the input embeddings of the true tokens t+1 .. t+K, for heads that read them
         if self.reads_path:
             following = embed(following_tokens(input_ids, self.config.num_heads)[keep])
-        states = self._states(hidden[keep], following, 0, self.config.num_heads)  # (K, N, H)
-        return states
+        return self._states(hidden[keep], following, 0, self.config.num_heads)  # (K, N, H)
 
     def path_guesses(self, hidden, features, input_ids, base_lm_head, embed, k: int) -> torch.Tensor:
         """Token ids of every head's top-k guesses at every position of one sequence, heads that read the path
