@@ -30,7 +30,7 @@ def main() -> None:
     heads, model = decoder.drafter, decoder.base_model
     data = DrafterDataModule(args.data, heads.config.base_model, val_fraction=0)
     data.setup("fit")
-    targets = torch.cat([ids[mask] for ids, mask, _ in data.train_examples])
+    targets = torch.cat([ids[mask] for ids, mask in data.train_examples])
     counts = torch.bincount(targets, minlength=heads.config.vocab_size).sort(descending=True)  # (V,)
     questions = [[{"role": "user", "content": row["turns"][0]}] for row in read_rows(args.questions)[::10]]
     paths = grow_tree(heads.config.calibration, args.tree)[0]

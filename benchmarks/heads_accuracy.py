@@ -49,7 +49,7 @@ def main() -> None:
     base = drafters[0].config.base_model
     num_heads = max(args.depths if d.max_depth is None else d.config.num_heads for d in drafters)
     data = held_out(args, base)
-    tokens = sum(int(mask.sum()) for _, mask, _ in data.val_examples)
+    tokens = sum(int(mask.sum()) for _, mask in data.val_examples)
     print(f"{len(data.val_examples)} held-out answers, {tokens} answer tokens")
     print("| heads | " + " | ".join(f"head {k} top-1 / top-5" for k in range(num_heads)) + " | "
           + " | ".join(f"tau @ {n}" for n in SIZES) + " |")  # fmt: skip

@@ -1,15 +1,18 @@
-"""Training throughput: tokens/s of a Lightning training step of the heads against a plain no-grad forward
-of the base model over the same batches, measured in one run; and a second epoch over the same batches
-with the base model's hidden states cached (`--model.cache_hidden true`), against the first.
+"""Training throughput and memory, online against offline features, measured in one run: tokens/s of a training
+epoch that runs the base model in every step (online) against one that reads the base's hidden states from disk
+(`--model.features`, offline), over the same batches, and the time to write those states; then the peak resident
+memory of an offline run (a fresh process each) over 1x and 4x the batches.
 
-    python benchmarks/train_throughput.py --data data/distilled/sharegpt-greedy-256
+    python benchmarks/train_throughput.py --data data/distilled --head_type eagle
 """
 
 import argparse
+import resource
+import subprocess
+import sys
 import tempfile
 import time
 from collections import defaultdict
-from itertools import islice
 
 import lightning as L
 import torch
@@ -35,64 +38,82 @@ class StepTimer(Callback):
             self.seconds[trainer.current_epoch] += time.perf_counter() - self.start
 
 
-def fit_seconds(module, batches, epochs) -> dict[int, float]:
-    timer = StepTimer()
+class Batches(DrafterDataModule):
+    """The data module over its first `count` training batches only (offline features are written for them)."""
+
+    def __init__(self, count: int, **kwargs):
+        super().__init__(**kwargs)
+        self.count = count
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        self.train_batches = self.train_batches[: self.count]
+        self.train_examples = [example for batch in self.train_batches for example in batch]
+        self.val_examples = []
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_batches, shuffle=False)
+
+
+def fit(args, count: int, features: str | None) -> tuple[float, float, int]:
+    """One epoch over `count` batches: (seconds of the setup, that is writing the features; seconds of the steps but
+    the first; tokens of the steps but the first)."""
+    data = Batches(count, data=args.data, base_model=args.base_model, batch_size=args.batch_size,
+                   max_length=args.max_length, val_fraction=0)  # fmt: skip
+    module = DrafterModule(args.base_model, head_type=args.head_type, num_heads=args.num_heads, teacher=True,
+                           draft_vocab=args.draft_vocab, features=features)  # fmt: skip
+    timer, setup_s = StepTimer(), []
+
+    class SetupTimer(Callback):
+        def setup(self, trainer, pl_module, stage):  # after the module's setup: the features written
+            setup_s.append(time.perf_counter() - start)
+
     with tempfile.TemporaryDirectory() as folder:
-        trainer = L.Trainer(max_epochs=epochs, callbacks=[timer], logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=folder)  # fmt: skip
-        trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None, collate_fn=lambda batch: batch))
-    return timer.seconds
-
-
-def timed(function, batches) -> float:
-    """Seconds for `function` over batches[1:] (batches[0] warms up)."""
-    function(batches[0])
-    start = time.perf_counter()
-    for batch in batches[1:]:
-        function(batch)
-    return time.perf_counter() - start
+        trainer = L.Trainer(max_epochs=1, callbacks=[timer, SetupTimer()], logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=folder,
+                            limit_val_batches=0)  # fmt: skip
+        start = time.perf_counter()
+        trainer.fit(module, data)
+    tokens = sum(int(sum(len(ids) for ids, _ in batch)) for batch in data.train_batches[1:])
+    return setup_s[0], timer.seconds[0], tokens
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base_model", default=DEFAULT_BASE)
     parser.add_argument("--data", required=True)
+    parser.add_argument("--head_type", default="eagle", choices=["medusa", "hydra", "eagle"])
+    parser.add_argument("--num_heads", type=int, default=3)
+    parser.add_argument("--draft_vocab", type=int, default=8192)
     parser.add_argument("--batches", type=int, default=20, help="timed batches (one more warms up)")
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--max_length", type=int, default=512)
-    parser.add_argument("--num_heads", type=int, default=4)
-    parser.add_argument("--lm_head", default="shared", choices=["shared", "own"])
+    parser.add_argument("--memory", type=int, help=argparse.SUPPRESS)  # a child: offline over this many batches
+    parser.add_argument("--features", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.memory:
+        fit(args, args.memory, args.features)
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # bytes (Linux reports KiB)
+        return
 
-    data = DrafterDataModule(args.data, args.base_model, batch_size=args.batch_size, max_length=args.max_length,
-                           val_fraction=0)  # fmt: skip
-    data.setup("fit")
-    batches = list(islice(iter(data.train_dataloader()), args.batches + 1))
-    tokens = sum(int(batch["attention_mask"].sum()) for batch in batches[1:])
-    module = DrafterModule(args.base_model, num_heads=args.num_heads, lm_head=args.lm_head)
-    base = module.base_model
-
-    @torch.no_grad()
-    def forward(batch):  # what plain inference costs: the whole base model, logits included
-        base(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-
-    @torch.no_grad()
-    def backbone(batch):  # the part of a training step that cached hidden states would skip
-        base.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-
-    forward_s, backbone_s = timed(forward, batches), timed(backbone, batches)
-    train_s = fit_seconds(module, batches, epochs=1)[0]
-    cached = DrafterModule(args.base_model, num_heads=args.num_heads, lm_head=args.lm_head, cache_hidden=True)
-    cached_s = fit_seconds(cached, batches, epochs=2)
-
-    print(f"{args.batches} batches of {args.batch_size}, {tokens} tokens, threads={torch.get_num_threads()}")
-    print(f"plain no-grad base forward:        {tokens / forward_s:8.0f} tokens/s")
-    print(f"training step (Lightning):         {tokens / train_s:8.0f} tokens/s")
-    print(f"training / forward throughput ratio: {forward_s / train_s:.2f}")
-    print(f"base forward share of a training step: {backbone_s / train_s:.0%}")
-    first, second = tokens / cached_s[0], tokens / cached_s[1]
-    print(f"cache_hidden, epoch 1 / epoch 2:   {first:8.0f} / {second:.0f} tokens/s")
-    print(f"cache_hidden epoch 2 over plain training: {train_s / cached_s[1]:.2f}x")
+    count = args.batches + 1
+    with tempfile.TemporaryDirectory() as folder:
+        _, online_s, tokens = fit(args, count, None)
+        write_s, _, _ = fit(args, count, folder)  # writes the features (its epoch reads the page cache's copy)
+        _, offline_s, _ = fit(args, count, folder)  # reads them, written already
+    peaks = {}
+    for times in (1, 4):
+        with tempfile.TemporaryDirectory() as folder:
+            command = [sys.executable, __file__, *sys.argv[1:], "--memory", str(times * count), "--features", folder]
+            peaks[times] = int(subprocess.run(command, capture_output=True, text=True, check=True).stdout.split()[-1])
+    print(f"{args.head_type}, {args.batches} batches of {args.batch_size}, {tokens} tokens, "
+          f"threads={torch.get_num_threads()}")  # fmt: skip
+    print(f"online epoch (the base in every step): {tokens / online_s:8.0f} tokens/s ({online_s:.1f} s)")
+    print(f"offline epoch (states from disk):      {tokens / offline_s:8.0f} tokens/s ({offline_s:.1f} s)")
+    print(f"offline epoch time over online:        {offline_s / online_s:.2f}")
+    print(f"writing the states (setup, all {count} batches): {write_s:.1f} s")
+    print(f"peak resident memory, offline, {count} / {4 * count} batches: {peaks[1] / 2**30:.2f} / "
+          f"{peaks[4] / 2**30:.2f} GiB ({peaks[4] / peaks[1]:.2f}x)")  # fmt: skip
 
 
 if __name__ == "__main__":

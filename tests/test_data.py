@@ -53,12 +53,11 @@ def test_plain_text_is_learned_everywhere_and_truncation_applies(tokenizer):
 
 def test_collate_pads_right_and_masks_padding():
     batch = collate(
-        [(torch.tensor([5, 6, 7]), torch.tensor([False, True, True]), 4), (torch.tensor([8]), torch.tensor([True]), 9)]
+        [(torch.tensor([5, 6, 7]), torch.tensor([False, True, True])), (torch.tensor([8]), torch.tensor([True]))]
     )
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert batch["loss_mask"].tolist() == [[False, True, True], [True, False, False]]
-    assert batch["index"].tolist() == [4, 9]
 
 
 def test_bucketing_covers_every_example_once_and_cuts_padding():
@@ -98,7 +97,7 @@ def test_every_answer_to_a_held_out_prompt_is_held_out(tmp_path):
     tokenizer = load_tokenizer(TINY_BASE)
 
     def questions(examples):  # the question each example answers, read back from its tokens
-        texts = [tokenizer.decode(ids) for ids, _, _ in examples]
+        texts = [tokenizer.decode(ids) for ids, _ in examples]
         return [next(f"Question {i}?" for i in range(20) if f"Question {i}?" in text) for text in texts]
 
     val, train = questions(data.val_examples), questions(data.train_examples)
@@ -108,7 +107,7 @@ def test_every_answer_to_a_held_out_prompt_is_held_out(tmp_path):
 
 def test_val_data_validates_on_its_answers_to_prompts_never_trained_on(tmp_path):
     """With val_data (the greedy answers, say), validation reads its answers to the held-out prompts and to prompts
-    `data` lacks, never its answers to a trained prompt; its example ids follow data's (the hidden-state cache)."""
+    `data` lacks, never its answers to a trained prompt."""
 
     def chats(answers, questions):
         return [
@@ -127,15 +126,13 @@ def test_val_data_validates_on_its_answers_to_prompts_never_trained_on(tmp_path)
     data = DrafterDataModule(train_file, TINY_BASE, val_fraction=0.25, val_data=val_file)
     data.setup("fit")
     tokenizer = load_tokenizer(TINY_BASE)
-    val = [tokenizer.decode(ids) for ids, _, _ in data.val_examples]
-    train = [tokenizer.decode(ids) for ids, _, _ in data.train_examples]
+    val = [tokenizer.decode(ids) for ids, _ in data.val_examples]
+    train = [tokenizer.decode(ids) for ids, _ in data.train_examples]
     held_out = {i for i in range(20) if not any(f"Question {i}?" in text for text in train)}
     assert len(train) == 30 and len(held_out) == 5
     assert sorted(val) == sorted(
         next(t for t in val if f"Question {i}?" in t and f"Greedy {i}." in t) for i in [*held_out, 99]
     )
-    ids = [index for _, _, index in data.train_examples + data.val_examples]
-    assert len(set(ids)) == len(ids)
 
 
 def test_all_rows_bad_is_an_error(tmp_path):
@@ -168,28 +165,22 @@ def test_sharegpt_json_alpaca_json_and_a_dataset_folder_load(tmp_path, tokenizer
     assert read_rows(TINY_CHAT) and all(to_example(row) for row in read_rows(TINY_CHAT))
 
 
-def test_validation_batches_are_the_held_out_examples_and_no_index_is_shared(tmp_path, tokenizer):
-    """The validation loader yields the held-out examples, not training ones, and every example keeps one index
-    of its own across both splits: the module caches hidden states by index (cache_hidden), so an index shared by
-    two examples would mix their states."""
+def test_validation_batches_are_the_held_out_examples(tmp_path, tokenizer):
+    """The validation loader yields the held-out examples, each once, and no training one; the training loader
+    every other example once a pass."""
     rows = [{"text": f"row {i} " + "word " * (i % 7)} for i in range(20)]  # 20 different texts
     data = DrafterDataModule(write_jsonl(tmp_path / "text.jsonl", rows), TINY_BASE, batch_size=3, val_fraction=0.25)
     data.setup("fit")
 
-    def seen(loader) -> dict[int, tuple[int, ...]]:  # example index -> its token ids, over one pass of a loader
-        found = {}
-        for batch in loader:
-            for index, ids, attended in zip(batch["index"], batch["input_ids"], batch["attention_mask"], strict=True):
-                assert int(index) not in found  # once per pass
-                found[int(index)] = tuple(ids[attended.bool()].tolist())
-        return found
+    def seen(loader) -> list[tuple[int, ...]]:  # the token ids of each example, over one pass of a loader
+        return [tuple(ids[attended.bool()].tolist()) for batch in loader
+                for ids, attended in zip(batch["input_ids"], batch["attention_mask"], strict=True)]  # fmt: skip
 
     train, val = seen(data.train_dataloader()), seen(data.val_dataloader())
-    assert len(train) == 15 and len(val) == 5 and not train.keys() & val.keys()
-    assert sorted(train | val) == list(range(20))
-    assert sorted((train | val).values()) == sorted(tuple(tokenizer(row["text"]).input_ids) for row in rows)
-    assert val == {index: tuple(ids.tolist()) for ids, _, index in data.val_examples}
-    assert seen(data.train_dataloader()) == train  # reshuffled, but each index still names the same example
+    assert len(set(train)) == len(train) == 15 and len(set(val)) == len(val) == 5 and not set(train) & set(val)
+    assert sorted(train + val) == sorted(tuple(tokenizer(row["text"]).input_ids) for row in rows)
+    assert sorted(val) == sorted(tuple(ids.tolist()) for ids, _ in data.val_examples)
+    assert sorted(seen(data.train_dataloader())) == sorted(train)  # reshuffled, the same examples
 
 
 def test_a_json_lines_value_with_unicode_line_separators_is_one_row(tmp_path):

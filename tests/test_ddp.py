@@ -1,6 +1,7 @@
 """Data-parallel training: 2 CPU processes (gloo), each taking every other batch, reach the weights that 1 process
 reaches on the same batches accumulated two at a time, for every kind of drafter, with the teacher loss and a draft
-vocabulary (chosen on each process from the same data)."""
+vocabulary (chosen on each process from the same data), and with hidden states that both processes wrote to disk
+before training."""
 
 import subprocess
 import sys
@@ -31,9 +32,10 @@ class InOrder(DrafterDataModule):  # batches in a fixed order (DDP's own sampler
 
 
 base, chat, devices, out, kind = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
-options = {"medusa": {}, "hydra": {"teacher": True, "draft_vocab": 60}, "eagle": {"draft_vocab": 60}}[kind]
+options = {"medusa": {}, "hydra": {"teacher": True, "draft_vocab": 60}, "eagle": {"draft_vocab": 60},
+           "eagle-features": {"draft_vocab": 60, "features": out + "/features"}}[kind]
 L.seed_everything(0)
-module = DrafterModule(base, head_type=kind, num_heads=3, lr=1e-2, warmup_steps=0, **options)
+module = DrafterModule(base, head_type=kind.split("-")[0], num_heads=3, lr=1e-2, warmup_steps=0, **options)
 module.heads.save_pretrained(out + "/start")  # the same on both processes: seeded
 trainer = L.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", max_steps=2,
                     accumulate_grad_batches=3 - devices, limit_val_batches=0, logger=False, enable_checkpointing=False,
@@ -43,7 +45,7 @@ trainer.fit(module, InOrder(chat, base, batch_size=2, val_fraction=0))
 """
 
 
-@pytest.mark.parametrize("kind", ["medusa", "hydra", "eagle"])
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "eagle", "eagle-features"])  # features: written by 2, then read
 def test_two_processes_reach_the_weights_one_process_reaches_on_the_same_batches(tmp_path, kind):
     script = tmp_path / "train_tiny.py"
     script.write_text(SCRIPT)
@@ -60,3 +62,5 @@ def test_two_processes_reach_the_weights_one_process_reaches_on_the_same_batches
         torch.testing.assert_close(found[2][name], weight, rtol=1e-4, atol=1e-5, msg=name)
     trained = [name for name, weight in found[1].items() if name in start and not torch.equal(weight, start[name])]
     assert len(trained) >= 2, trained  # the steps moved the drafter
+    if kind.endswith("features"):  # each process wrote its share
+        assert len(list((tmp_path / "devices-2" / "features").glob("rank-0000[01]/part-*.safetensors"))) == 2

@@ -148,10 +148,10 @@ def test_the_feature_loss_regresses_each_steps_output_onto_the_base_state_that_s
     torch.manual_seed(0)
     for parameter in module.heads.parameters():
         torch.nn.init.normal_(parameter, std=0.3)
-    examples = [(*encode(tokenizer, to_example(row), 512), i) for i, row in enumerate(read_rows(TINY_CHAT)[:3])]
+    examples = [encode(tokenizer, to_example(row), 512) for row in read_rows(TINY_CHAT)[:3]]
     embed, layers = module.base_model.get_input_embeddings(), module.heads.config.feature_layers
     sums, counts = [0.0, 0.0], [0, 0]
-    for ids, mask, _ in examples:
+    for ids, mask in examples:
         out = module.base_model.get_decoder()(input_ids=ids[None], output_hidden_states=True)
         features = torch.cat([out.hidden_states[i] for i in layers], -1)  # (1, T, F)
         steps = module.heads.unroll(features, ids[None], embed, 2)[:, 0]  # (K, T-1, H): entry j at index j - 1
@@ -170,7 +170,7 @@ def test_the_feature_loss_regresses_each_steps_output_onto_the_base_state_that_s
 @torch.no_grad()
 def test_the_feature_loss_regresses_the_states_any_drafter_projects_and_takes_no_negative_weight(tokenizer):
     module = DrafterModule(TINY_BASE, head_type="hydra", num_heads=2, feature_loss=2.0)
-    examples = [(*encode(tokenizer, to_example(row), 512), i) for i, row in enumerate(read_rows(TINY_CHAT)[:2])]
+    examples = [encode(tokenizer, to_example(row), 512) for row in read_rows(TINY_CHAT)[:2]]
     with_regression = module.training_step(collate(examples), 0)
     module.hparams.feature_loss = 0.0
     assert with_regression > module.training_step(collate(examples), 0)  # new heads' states are not the base's

@@ -149,8 +149,8 @@ def test_drift_measures_how_far_the_adapter_moved_the_model(trained, tmp_path):
 def test_bad_lora_settings_are_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"lora.target_modules \['query'\].*choose among \[.*'q_proj'"):
         DrafterModule(TINY_BASE, lora=Lora(target_modules=["q_proj", "query"]))
-    with pytest.raises(ValueError, match="cache_hidden with lora"):
-        DrafterModule(TINY_BASE, cache_hidden=True, lora=LORA)
+    with pytest.raises(ValueError, match="features with lora"):
+        DrafterModule(TINY_BASE, features="features", lora=LORA)
 
 
 def test_adapters_on_the_last_layers_only_train_there_and_round_trip(tmp_path):

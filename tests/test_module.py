@@ -130,28 +130,12 @@ def test_loss_weights_must_match_the_number_of_heads():
         DrafterModule(TINY_BASE, num_heads=4, loss_weights=[1.0, 0.5])
 
 
-def test_cached_hidden_states_train_the_same_heads_without_running_the_base_again(tmp_path):
-    results = {}
-    for cache_hidden in (False, True):
-        torch.manual_seed(0)
-        module = DrafterModule(TINY_BASE, num_heads=2, lm_head="own", cache_hidden=cache_hidden)
-        calls = []
-        module.base_model.get_decoder().register_forward_hook(lambda *args, calls=calls: calls.append(1))
-        data = DrafterDataModule(TINY_CHAT, TINY_BASE, batch_size=8, val_fraction=0)
-        trainer(tmp_path / str(cache_hidden), max_steps=-1, max_epochs=3, limit_val_batches=0).fit(module, data)
-        results[cache_hidden] = (module.heads.state_dict(), len(calls), len(data.train_batches))
-    (plain, plain_calls, batches), (cached, cached_calls, _) = results[False], results[True]
-    assert plain_calls == 3 * batches and cached_calls == batches  # the base runs in the first epoch only
-    for name, tensor in plain.items():
-        torch.testing.assert_close(cached[name], tensor, rtol=1e-5, atol=1e-6)
-
-
 def hand_loss(module: DrafterModule, examples, weights: list[float], draft: list[int] | None = None) -> torch.Tensor:
     """The module's loss computed by hand, one unpadded example at a time: head k at position t against token
     t+k+2, wherever that token is in the example's loss mask; per head the mean over the batch, then weighted.
     With a draft vocabulary, the softmax runs over its tokens only and a target outside it is left out."""
     sums, counts = [0.0] * len(weights), [0] * len(weights)
-    for ids, mask, _ in examples:
+    for ids, mask in examples:
         hidden = module.base_model.get_decoder()(input_ids=ids[None]).last_hidden_state[0]  # (T, H)
         logits = module.heads(hidden, module.base_model.get_output_embeddings())  # (K, T, V)
         for k in range(len(weights)):
@@ -178,8 +162,8 @@ def test_the_training_loss_is_the_hand_computed_one_on_assistant_tokens_at_t_plu
     for parameter in module.heads.parameters():  # heads that differ from each other and from the base lm_head
         torch.nn.init.normal_(parameter, std=0.3)
     tokenizer = load_tokenizer(TINY_BASE)
-    examples = [(*encode(tokenizer, to_example(row), 512), i) for i, row in enumerate(read_rows(TINY_CHAT)[:3])]
-    assert not any(mask.all() for _, mask, _ in examples)  # user tokens: attended, never targets
+    examples = [encode(tokenizer, to_example(row), 512) for row in read_rows(TINY_CHAT)[:3]]
+    assert not any(mask.all() for _, mask in examples)  # user tokens: attended, never targets
     torch.testing.assert_close(module.training_step(collate(examples), 0), hand_loss(module, examples, weights))
 
 
@@ -195,10 +179,10 @@ def test_hydra_heads_read_the_true_tokens_after_t_and_the_teacher_is_the_base_mo
     for parameter in module.heads.parameters():
         torch.nn.init.normal_(parameter, std=0.3)
     tokenizer = load_tokenizer(TINY_BASE)
-    examples = [(*encode(tokenizer, to_example(row), 512), i) for i, row in enumerate(read_rows(TINY_CHAT)[:3])]
+    examples = [encode(tokenizer, to_example(row), 512) for row in read_rows(TINY_CHAT)[:3]]
     lm_head, embed = module.base_model.get_output_embeddings(), module.base_model.get_input_embeddings()
     sums, counts = [0.0, 0.0], [0, 0]
-    for ids, mask, _ in examples:
+    for ids, mask in examples:
         hidden = module.base_model.get_decoder()(input_ids=ids[None]).last_hidden_state[0]  # (T, H)
         for k in range(2):
             for t in range(len(ids) - k - 2):
@@ -220,8 +204,8 @@ def test_with_a_draft_vocabulary_the_loss_ranks_its_tokens_only_and_a_target_out
     for parameter in module.heads.parameters():
         torch.nn.init.normal_(parameter, std=0.3)
     tokenizer = load_tokenizer(TINY_BASE)
-    examples = [(*encode(tokenizer, to_example(row), 512), i) for i, row in enumerate(read_rows(TINY_CHAT)[:3])]
-    targets = sorted({int(token) for ids, mask, _ in examples for token in ids[mask]})
+    examples = [encode(tokenizer, to_example(row), 512) for row in read_rows(TINY_CHAT)[:3]]
+    targets = sorted({int(token) for ids, mask in examples for token in ids[mask]})
     draft = targets[::2] + [module.heads.config.vocab_size - 1]  # half the targets, and a token that is none
     module.heads.config.draft_vocab = draft
     expected = hand_loss(module, examples, [1.0, 0.8], draft)
@@ -229,7 +213,7 @@ def test_with_a_draft_vocabulary_the_loss_ranks_its_tokens_only_and_a_target_out
 
     module.validation_step(collate(examples), 0)
     hits = positions = 0  # head 0's top-1 accuracy by hand: a target outside the draft vocabulary is a miss
-    for ids, mask, _ in examples:
+    for ids, mask in examples:
         hidden = module.base_model.get_decoder()(input_ids=ids[None]).last_hidden_state[0]  # (T, H)
         best = module.heads(hidden, module.base_model.get_output_embeddings())[0][:, draft].argmax(-1)  # (T,)
         for t in range(len(ids) - 2):
@@ -264,7 +248,7 @@ def test_the_draft_vocabulary_is_the_most_frequent_training_targets_and_is_saved
     module = DrafterModule(TINY_BASE, num_heads=2, draft_vocab=20)
     data = DrafterDataModule(TINY_CHAT, TINY_BASE, batch_size=8)
     trainer(tmp_path, 2, [], limit_val_batches=0).fit(module, data)
-    targets = torch.cat([ids[mask] for ids, mask, _ in data.train_examples])
+    targets = torch.cat([ids[mask] for ids, mask in data.train_examples])
     counts = torch.bincount(targets, minlength=module.heads.config.vocab_size)
     draft = module.heads.config.draft_vocab
     assert len(draft) == 20 == len(set(draft)) and counts[draft].min() >= counts.sort(descending=True).values[19]
@@ -280,7 +264,7 @@ def test_the_loss_over_chunks_of_positions_and_its_gradients_equal_the_loss_over
     """`loss_chunk` bounds the loss's memory (a chunk's logits are recomputed in the backward pass): the loss, its
     gradients and the accuracies must not change, over the draft vocabulary too."""
     tokenizer = load_tokenizer(TINY_BASE)
-    examples = [(*encode(tokenizer, to_example(row), 512), i) for i, row in enumerate(read_rows(TINY_CHAT)[:4])]
+    examples = [encode(tokenizer, to_example(row), 512) for row in read_rows(TINY_CHAT)[:4]]
     batch = collate(examples)
     found = []
     for chunk in (100_000, 7):  # one chunk; many (the batch has hundreds of positions)

@@ -54,18 +54,17 @@ def prompt_of(example: list[dict] | str) -> str:
     return json.dumps(example[:first])
 
 
-def collate(examples: list[tuple[torch.Tensor, torch.Tensor, int]], pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """Right-pad a batch of (ids, loss mask, example index): input_ids, attention_mask, loss_mask (B, T), index (B,)."""
-    length = max(len(ids) for ids, _, _ in examples)
+def collate(examples: list[tuple[torch.Tensor, torch.Tensor]], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-pad a batch of (ids, loss mask): input_ids, attention_mask, loss_mask (B, T)."""
+    length = max(len(ids) for ids, _ in examples)
     input_ids = torch.full((len(examples), length), pad_id, dtype=torch.long)  # (B, T)
     attention_mask = torch.zeros((len(examples), length), dtype=torch.long)  # (B, T)
     loss_mask = torch.zeros((len(examples), length), dtype=torch.bool)  # (B, T)
-    for row, (ids, mask, _) in enumerate(examples):
+    for row, (ids, mask) in enumerate(examples):
         input_ids[row, : len(ids)] = ids
         attention_mask[row, : len(ids)] = 1
         loss_mask[row, : len(ids)] = mask
-    index = torch.tensor([index for _, _, index in examples])  # (B,)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask, "index": index}
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
 
 
 def bucket(lengths: list[int], batch_size: int, seed: int = 0) -> list[list[int]]:
@@ -135,7 +134,7 @@ class DrafterDataModule(L.LightningDataModule):
         examples, prompts = self._read(tokenizer, self.data)
         order = list(range(len(examples)))
         random.Random(self.seed).shuffle(order)
-        examples = [(*examples[i], index) for index, i in enumerate(order)]  # index: the example's id
+        examples = [examples[i] for i in order]
         prompts = [prompts[i] for i in order]
         # Whole prompts are held out: a second answer to a validation prompt (a sampled one beside the greedy
         # one) must not be trained on.
@@ -149,9 +148,7 @@ class DrafterDataModule(L.LightningDataModule):
             trained = set(prompts) - held_out
             val_examples, val_prompts = self._read(tokenizer, self.val_data)
             self.val_examples = [
-                (*example, len(examples) + i)  # ids after data's: the hidden-state cache is keyed on them
-                for i, (example, prompt) in enumerate(zip(val_examples, val_prompts, strict=True))
-                if prompt not in trained
+                example for example, prompt in zip(val_examples, val_prompts, strict=True) if prompt not in trained
             ]
         self.train_batches = self._batches(self.train_examples)
         self.val_batches = self._batches(self.val_examples)
@@ -179,7 +176,7 @@ class DrafterDataModule(L.LightningDataModule):
     def _batches(self, examples):
         return [
             [examples[i] for i in batch]
-            for batch in bucket([len(ids) for ids, _, _ in examples], self.batch_size, self.seed)
+            for batch in bucket([len(ids) for ids, _ in examples], self.batch_size, self.seed)
         ]
 
     def _loader(self, batches, shuffle: bool) -> DataLoader:

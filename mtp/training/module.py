@@ -16,6 +16,7 @@ from torchmetrics import MeanMetric
 
 from mtp.base import DEFAULT_BASE, compute_dtype, load_base
 from mtp.drafters.contract import Drafter, DrafterConfig, base_identity, weights_fingerprint
+from mtp.training.features import Features, backbone, key, manifest, write_features
 from mtp.training.lora import Lora, divergence, with_adapters
 from mtp.training.loss import (
     IGNORE,
@@ -47,7 +48,6 @@ class DrafterModule(L.LightningModule):
         lr: float = 1e-3,
         weight_decay: float = 0.0,
         warmup_steps: int = 50,
-        cache_hidden: bool = False,
         draft_vocab: int = 0,
         head_type: str = "medusa",
         teacher: bool = False,
@@ -55,8 +55,8 @@ class DrafterModule(L.LightningModule):
         init_heads: str | None = None,
         feature_layers: list[int] | None = None,
         feature_noise: float = 0.0,
-        cache_dtype: str = "float32",
         feature_loss: float = 0.0,
+        features: str | None = None,
         loss_chunk: int = 1024,
         precision: str = "32-true",
     ):
@@ -73,9 +73,6 @@ class DrafterModule(L.LightningModule):
             lr: peak AdamW learning rate, reached after warmup_steps, then cosine decay to 0.
             weight_decay: AdamW weight decay.
             warmup_steps: linear warmup steps.
-            cache_hidden: keep the base model's hidden states of each example (in CPU memory, 4 x hidden size
-                bytes per token in float32) after its first pass, so that later epochs run the heads alone.
-                On the default model on a CPU the base forward is about 40% of a training step.
             draft_vocab: the heads guess among the `draft_vocab` most frequent target tokens of the training data
                 only (saved with the heads): training and decoding project onto these rows of the lm_head alone,
                 and a target outside them is a miss; 0: the whole vocabulary.
@@ -91,10 +88,14 @@ class DrafterModule(L.LightningModule):
                 `eagle`: a low, a middle and a high one, 2, L // 2 and L - 3 of L layers, as EAGLE-3 reads them).
             feature_noise: for `eagle`: standard deviation of the Gaussian noise added to the base model's features
                 in training (0: none), so that the drafter learns to read imperfect ones, as it must its own.
-            cache_dtype: `float32` or `bfloat16` (half the memory) for the hidden states `cache_hidden` keeps.
             feature_loss: the weight of a feature regression added to the loss (0: none): the smooth-L1 distance
                 between the state each step projects (`eagle`: its normed output) and the base model's last hidden
                 state that scores the same token (what the base's lm_head reads), as EAGLE trains its features.
+            features: a folder of the base model's hidden states on disk (`mtp.training.features`): before training,
+                every process writes its share of the examples that the folder lacks (the base model on its
+                device, in the compute dtype; then freed), and training reads them there, with only the base's
+                embeddings, final norm and lm_head in memory; later runs on the same data write nothing. None:
+                the base model runs in every step.
             loss_chunk: positions whose logits the loss computes at once: each chunk's logits (K x loss_chunk x
                 the vocabulary or draft vocabulary, float32) are dropped after its loss and computed again in the
                 backward pass, so the loss's peak memory is one chunk's, whatever the batch.
@@ -118,17 +119,16 @@ class DrafterModule(L.LightningModule):
             raise ValueError(f"feature_loss={feature_loss}: give a weight >= 0 (0: no feature regression).")
         if loss_chunk < 1:
             raise ValueError(f"loss_chunk={loss_chunk}: give the positions a chunk of the loss holds, at least 1.")
-        if cache_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"cache_dtype={cache_dtype!r}: choose 'float32' or 'bfloat16'.")
-        if lora is not None and cache_hidden:
+        if lora is not None and features is not None:
             raise ValueError(
-                "cache_hidden with lora: the adapted base's hidden states change every step, so they cannot be "
-                "cached; set cache_hidden: false (or drop lora to keep the base frozen)."
+                "features with lora: the adapted base's hidden states change every step, so they cannot be read "
+                "from disk; drop features (or drop lora to keep the base frozen)."
             )
         dtype = compute_dtype(precision)
-        self.base_model, tokenizer = load_base(base_model, dtype=dtype, fast=False)  # training: the usual products
+        self.base_model, tokenizer = load_base(base_model, dtype=dtype, fast=False, layers=features is None)
         self.base_model.requires_grad_(False)
         identity = base_identity(base_model, self.base_model, tokenizer)
+        self.identity = identity
         depth = self.base_model.config.get_text_config(decoder=True).num_hidden_layers
         if feature_layers is None:
             feature_layers = Drafter.of_kind(head_type).default_layers(depth)
@@ -157,7 +157,7 @@ class DrafterModule(L.LightningModule):
         if lora is not None:  # the adapter is only right on the weights it was trained on
             config.adapter, config.base_weights = True, weights_fingerprint(self.base_model)
             self.base_model = with_adapters(self.base_model, lora)
-        self.hidden_cache: dict[int, torch.Tensor] = {}  # example index -> (T, H), when cache_hidden
+        self.features: Features | None = None  # opened in setup, when `features` names a folder
         self.strict_loading = False  # checkpoints hold the heads only; the base comes from base_model
         self.metrics = nn.ModuleDict(
             {
@@ -177,32 +177,21 @@ class DrafterModule(L.LightningModule):
 
     def backbone(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The base model's hidden states at the drafter's `feature_layers`, then its last ones: (B, T, (L+1) H)."""
-        layers = self.heads.config.feature_layers
-        out = self.base_model.get_decoder()(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
-            output_hidden_states=bool(layers),
-        )  # fmt: skip
-        return torch.cat([*(out.hidden_states[i] for i in layers), out.last_hidden_state], -1)
+        return backbone(self.base_model, batch["input_ids"], batch["attention_mask"], self.heads.config.feature_layers)
 
     def hidden_states(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """`backbone`'s states (B, T, (L+1) H), from the cache when every example is in it; with adapters, with
-        their gradients."""
+        """`backbone`'s states (B, T, (L+1) H), read from disk with `features`; with adapters, with their
+        gradients."""
         if self.lora is not None:
             return self.backbone(batch)
-        indices, lengths = batch["index"].tolist(), batch["attention_mask"].sum(1).tolist()
-        if self.hparams.cache_hidden and all(index in self.hidden_cache for index in indices):
-            cached = [self.hidden_cache[index].to(self.device) for index in indices]
-            hidden = cached[0].new_zeros(*batch["input_ids"].shape, cached[0].shape[-1], dtype=self.base_model.dtype)
-            for row, states in enumerate(cached):
-                hidden[row, : len(states)] = states
-            return hidden
-        with torch.no_grad():
-            hidden = self.backbone(batch)  # (B, T, H)
-        if self.hparams.cache_hidden:
-            for row, (index, length) in enumerate(zip(indices, lengths, strict=True)):
-                self.hidden_cache[index] = hidden[row, :length].to("cpu", getattr(torch, self.hparams.cache_dtype),
-                                                                   copy=True)  # fmt: skip
-        return hidden
+        if self.features is None:
+            with torch.no_grad():
+                return self.backbone(batch)
+        ids = batch["input_ids"].cpu()
+        hidden = torch.zeros(*ids.shape, self.features.width, dtype=self.base_model.dtype)  # (B, T, (L+1) H)
+        for row, length in enumerate(batch["attention_mask"].sum(1).tolist()):
+            hidden[row, :length] = self.features[key(ids[row, :length])]
+        return hidden.to(self.device)
 
     def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
         states = self.hidden_states(batch)  # (B, T, (L+1) H)
@@ -293,10 +282,20 @@ class DrafterModule(L.LightningModule):
         self._step(batch, "val")
 
     def setup(self, stage: str) -> None:
-        """Choose the draft vocabulary before the optimizer is made: a drafter's own lm_head is sized by it."""
+        """Write the hidden states the `features` folder lacks, every process its share; choose the draft vocabulary
+        before the optimizer is made: a drafter's own lm_head is sized by it."""
+        if self.hparams.features is not None:
+            data, trainer = self.trainer.datamodule, self.trainer
+            examples = [ids for ids, _ in [*data.train_examples, *data.val_examples]]
+            wanted = manifest(self.identity, self.heads.config.feature_layers)
+            write_features(self.hparams.features, self.hparams.base_model, wanted, examples, trainer.global_rank,
+                           trainer.world_size, trainer.strategy.root_device, compute_dtype(self.hparams.precision),
+                           data.batch_size)  # fmt: skip
+            trainer.strategy.barrier("features written")
+            self.features = Features(self.hparams.features, wanted)
         if stage == "fit" and self.hparams.draft_vocab and self.hparams.init_heads is None:
             examples = self.trainer.datamodule.train_examples
-            targets = torch.cat([ids[mask] for ids, mask, _ in examples])  # every target token of the training split
+            targets = torch.cat([ids[mask] for ids, mask in examples])  # every target token of the training split
             counts = torch.bincount(targets, minlength=self.heads.config.vocab_size)  # (V,)
             top = counts.topk(min(self.hparams.draft_vocab, len(counts)))
             self.heads.set_draft_vocab(top.indices.tolist(), self.base_model)
