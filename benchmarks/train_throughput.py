@@ -7,7 +7,6 @@ memory of an offline run (a fresh process each) over 1x and 4x the batches.
 """
 
 import argparse
-import resource
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
+from train_memory import resident  # beside this script
 
 from mtp.base import DEFAULT_BASE
 from mtp.training.data import DrafterDataModule
@@ -65,7 +65,7 @@ def fit(args, count: int, features: str | None) -> tuple[float, float, int]:
     timer, setup_s = StepTimer(), []
 
     class SetupTimer(Callback):
-        def setup(self, trainer, pl_module, stage):  # after the module's setup: the features written
+        def on_fit_start(self, trainer, pl_module):  # after every setup: the module's writes the features
             setup_s.append(time.perf_counter() - start)
 
     with tempfile.TemporaryDirectory() as folder:
@@ -93,7 +93,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.memory:
         fit(args, args.memory, args.features)
-        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # bytes (Linux reports KiB)
+        print(resident("VmHWM"))  # this program's peak (ru_maxrss would count the parent's memory at the fork)
         return
 
     count = args.batches + 1

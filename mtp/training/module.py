@@ -30,6 +30,7 @@ from mtp.training.loss import (
     summed_cross_entropy,
     weighted,
 )
+from mtp.training.memory import describe, estimate
 
 TOP_K = (1, 5)
 # Lightning warns about modules in eval mode when training starts: the frozen base is, on purpose.
@@ -303,6 +304,11 @@ class DrafterModule(L.LightningModule):
                 f"Draft vocabulary: the {len(top.indices)} most frequent tokens cover "
                 f"{float(top.values.sum() / counts.sum()):.1%} of the training targets"
             )
+
+    def on_train_start(self) -> None:
+        data = self.trainer.datamodule
+        if data is not None:  # the configured batch (loaders passed alone say nothing of it)
+            rank_zero_info(describe(estimate(self, data.batch_size, data.max_length), data.batch_size, data.max_length))
 
     def on_validation_epoch_start(self) -> None:
         self.rank_accuracy.reset()
