@@ -88,8 +88,13 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=20, help="timed batches (one more warms up)")
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--max_length", type=int, default=512)
-    parser.add_argument("--memory", type=int, help=argparse.SUPPRESS)  # a child: offline over this many batches
-    parser.add_argument("--features", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--memory",
+        type=int,
+        help="only: write the states of this many batches to --features and "
+        "train one offline epoch on them, then print this process's peak resident bytes",
+    )
+    parser.add_argument("--features", help="with --memory: the folder for the states")
     args = parser.parse_args()
     if args.memory:
         fit(args, args.memory, args.features)
