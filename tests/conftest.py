@@ -122,23 +122,31 @@ SMALL_VOCAB_PROMPT = torch.tensor([[3, 7, 1]])
 SMALL_VOCAB_TREE = Tree.from_paths([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
 
 
-def small_vocab_decoder(seed=0, sliding_window=None, head_type="medusa", lookup=None, tree=SMALL_VOCAB_TREE) -> Decoder:
-    """A 1-layer Llama (a Mistral if `sliding_window`) over 8 tokens, peaked enough that a few continuations
-    dominate, random heads on `tree`, and `lookup`."""
+def small_vocab_decoder(seed=0, sliding_window=None, head_type="medusa", lookup=None, tree=SMALL_VOCAB_TREE,
+                        model_type=None, repeat=False, **family) -> Decoder:  # fmt: skip
+    """A 1-layer Llama (a Mistral if `sliding_window`, else `model_type` with its `family` settings) over 8 tokens,
+    peaked enough that a few continuations dominate, random heads on `tree`, and `lookup`. With `repeat`, a model
+    that mostly repeats its last token (its lm_head a quarter of its embeddings) and new drafters, which guess what
+    the base model predicts next, so their deepest guesses are often accepted."""
     torch.manual_seed(seed)
     window = {"sliding_window": sliding_window} if sliding_window else {}
-    config = AutoConfig.for_model("mistral" if sliding_window else "llama", vocab_size=VOCAB, hidden_size=16,
+    model_type = model_type or ("mistral" if sliding_window else "llama")
+    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, hidden_size=16,
                                   intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                                   num_key_value_heads=1, max_position_embeddings=64, eos_token_id=None,
-                                  bos_token_id=None, pad_token_id=None, **window)  # fmt: skip
+                                  bos_token_id=None, pad_token_id=None, **window, **family)  # fmt: skip
     config._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
-        model.lm_head.weight.mul_(60)  # sharper next-token distributions than a fresh init's near-uniform ones
+        if repeat:
+            model.model.embed_tokens.weight.normal_()
+            model.lm_head.weight.copy_(model.model.embed_tokens.weight / 4)
+        else:
+            model.lm_head.weight.mul_(60)  # sharper next-token distributions than a fresh init's near-uniform ones
     config = DrafterConfig(num_heads=3, lm_head="own", head_type=head_type, hidden_size=16, vocab_size=VOCAB,
                          feature_layers=feature_layers(model, head_type))  # fmt: skip
     heads = Drafter.kinds[head_type].new(config, model)
-    for parameter in heads.parameters():
+    for parameter in heads.parameters() if not repeat else ():
         torch.nn.init.normal_(parameter, std=0.5)
     return Decoder(model, None, heads.eval(), tree, lookup)
 

@@ -182,8 +182,61 @@ def test_bad_batches_are_clear_errors(tokenizer):
         decoder.generate(PROMPTS, batch_size=0)
     with pytest.raises(ValueError, match="Prompt 2 of 3: The prompt is empty"):
         decoder.generate(["Hi", " ", "Hello"], batch_size=2)
-    # RoPE whose frequencies follow a pass's highest position: a long row would change a short one's output
-    dynamic = Decoder(tiny_model(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}), tokenizer)
-    with pytest.raises(ValueError, match=r"rope_type \['dynamic'\].*decode these prompts with batch_size=1"):
-        dynamic.generate(PROMPTS, max_new_tokens=4, batch_size=2)
-    assert len(dynamic.generate(PROMPTS, max_new_tokens=4)) == 4  # one at a time it decodes
+
+
+# RoPE whose frequencies follow the longest sequence of a pass: dynamic NTK (changes past max_position_embeddings,
+# the context window) and longrope (short factors up to original_max_position_embeddings, long past it)
+LENGTH_ROPE = {
+    "dynamic": ("llama", {"max_position_embeddings": 48,
+                          "rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}}),
+    "longrope": ("phi3", {"max_position_embeddings": 128, "original_max_position_embeddings": 48,
+                          "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
+                                              "long_factor": [4.0] * 8, "original_max_position_embeddings": 48}}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", LENGTH_ROPE)
+def test_rope_that_follows_the_passs_length_is_exact_up_to_its_limit_alone_and_in_batches(name, tokenizer):
+    """Decoding to the last token before the limit (the context window for dynamic NTK, the original length for
+    longrope), alone and two prompts of different lengths in one batch, equals each prompt's plain greedy
+    decoding; past a longrope model's original length a request is refused before any work (let through, it
+    would differ: the long factors change every position's frequencies)."""
+    model_type, config = LENGTH_ROPE[name]
+    model, limit = tiny_model(model_type, **config), 48
+    with torch.no_grad():  # attention sharp enough that the frequencies show (a fresh init's is near uniform)
+        for parameter_name, parameter in model.named_parameters():
+            if parameter_name.endswith(("q_proj.weight", "k_proj.weight", "qkv_proj.weight")):
+                parameter.mul_(8)
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    ids = [tokenizer(p, return_tensors="pt").input_ids for p in prompts]
+    expected = [reference(model, i, limit - i.shape[1]) for i in ids]
+    decoder = Decoder(model, tokenizer, random_heads(model, head_type="hydra"), TREE, Lookup((3, 3)))
+    alone = [decoder.generate(p, max_new_tokens=limit - i.shape[1]) for p, i in zip(prompts, ids, strict=True)]
+    assert [result.token_ids for result in alone] == expected
+    new = limit - max(i.shape[1] for i in ids)  # one max_new_tokens for both: the shorter prompt stops short of it
+    together = decoder.generate(prompts, max_new_tokens=new, batch_size=2)
+    assert [result.token_ids for result in together] == [e[:new] for e in expected]
+    if name == "longrope":
+        with pytest.raises(ValueError, match=r"past 48, where phi3's longrope RoPE switches.*max_new_tokens at most"):
+            decoder.generate(prompts[0], max_new_tokens=limit - ids[0].shape[1] + 1)
+        decoder.target.rope_limit, new = None, 100 - ids[0].shape[1]
+        assert decoder.generate(prompts[0], max_new_tokens=new).token_ids != reference(model, ids[0], new)
+
+
+def test_eagle_with_lookup_on_planned_dynamic_trees_decodes_batches_to_the_context_end_and_stops_as_alone(tokenizer):
+    """The feature-level drafter and prompt lookup on a dynamic tree that the pacer plans for two rows (a static one
+    for one), rows that reach the last position of the context window, and a stop sequence: every row as alone."""
+    model = tiny_model(max_position_embeddings=48)
+    prompts = [tokenizer(prompt, return_tensors="pt").input_ids for prompt in PROMPTS[:3]]
+    new = 48 - max(ids.shape[1] for ids in prompts)  # the longest prompt fills the window
+    expected = [reference(model, ids, new) for ids in prompts]
+    pacer = Pacer({1: [(Plan(TREE, Lookup((3, 3))), 1.0)], 2: [(Plan(DynamicTree(6, 3, 2), Lookup((3, 3))), 1.0)]})
+    decoder = Decoder(model, tokenizer, random_heads(model, head_type="eagle"), pacer=pacer)
+    results = decoder.generate(PROMPTS[:3], max_new_tokens=new, batch_size=2)
+    assert [result.token_ids for result in results] == expected
+    stop = tokenizer.decode(expected[1][5:7])  # ends prompt 1's answer early, the others' maybe
+    stopped = decoder.generate(PROMPTS[:3], max_new_tokens=new, stop=[stop], batch_size=2)
+    alone = [decoder.generate(prompt, max_new_tokens=new, stop=[stop]) for prompt in PROMPTS[:3]]
+    assert [(r.text, r.token_ids, r.finish_reason) for r in stopped] == [(r.text, r.token_ids, r.finish_reason)
+                                                                        for r in alone]  # fmt: skip
+    assert stopped[1].finish_reason == "stop" and len(stopped[1].token_ids) <= 7

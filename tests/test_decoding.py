@@ -1,6 +1,7 @@
 """Tree decoding is lossless: greedy output equals the base model's own greedy output, token for token."""
 
 import os
+import types
 
 import pytest
 import torch
@@ -202,3 +203,31 @@ def test_the_grouped_keys_switch_holds_for_the_verification_pass_only(monkeypatc
     assert os.environ[GQA_SWITCH] == "0"
     with grouped_keys(False):  # off (not a CPU, or one query): left alone
         assert os.environ[GQA_SWITCH] == "0"
+
+
+# Families whose own forward scales lm_head's logits, each by its config
+LOGIT_SCALES = {
+    "granite": {"logits_scaling": 4.0},  # divides
+    "hyperclovax": {"logits_scaling": 4.0},  # multiplies, by the attribute of the same name
+    "cohere": {"logit_scale": 0.25},
+}
+
+
+@pytest.mark.parametrize("model_type", LOGIT_SCALES)
+def test_the_verified_logits_are_the_models_own_scaled_logits(model_type, tokenizer):
+    model = tiny_model(model_type, **LOGIT_SCALES[model_type])
+    input_ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    decoder = Decoder(model, tokenizer, random_heads(model), TREE)
+    with torch.no_grad():
+        hidden = decoder.target.backbone(input_ids=input_ids).last_hidden_state
+        ours, unscaled = decoder.target.logits(hidden), model.lm_head(hidden)
+    assert torch.equal(ours, model(input_ids).logits) and not torch.allclose(ours, unscaled)
+    assert decoder.generate(PROMPT, max_new_tokens=30).token_ids == reference(model, input_ids, 30)
+
+
+def test_a_model_whose_forward_makes_its_logits_otherwise_is_refused(tokenizer):
+    model = tiny_model()
+    forward = model.forward
+    model.forward = lambda **inputs: types.SimpleNamespace(logits=3 * forward(**inputs).logits)  # a scale unnamed
+    with pytest.raises(ValueError, match="llama's own forward makes logits that are not its lm_head's output"):
+        Decoder(model, tokenizer)

@@ -13,6 +13,7 @@ from mtp.decoding.proposer import TreeProposer
 from mtp.decoding.target import Target
 from mtp.decoding.tree import DynamicTree, named_tree
 from mtp.drafters.contract import Drafter
+from mtp.drafters.heads import HeadsProposer
 from tests.conftest import PROMPT, TINY_BASE, OracleHeads, random_heads, reference, tiny_model
 
 
@@ -110,6 +111,20 @@ def test_dynamic_trees_are_written_as_nodes_depth_top_k_and_checked(tokenizer):
     with pytest.raises(ValueError, match="5 levels deep, but the drafter fills only 4 levels"):
         Decoder(model, tokenizer, random_heads(model), DynamicTree(8, 5, 3))
     Decoder(model, tokenizer, random_heads(model, head_type="eagle"), DynamicTree(8, 9, 3))  # drafts as deep as asked
+
+
+def test_a_dynamic_tree_drafts_no_level_its_node_budget_cannot_hold(tokenizer, monkeypatch):
+    """N nodes reach N - 1 levels at most (a chain): 1 node drafts nothing, 3 nodes two levels, whatever the depth
+    asked, and neither is refused for asking deeper than the 4 heads (a root alone once raised IndexError)."""
+    model, levels = tiny_model(), []
+    input_ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    expand = HeadsProposer.expand
+    monkeypatch.setattr(HeadsProposer, "expand", lambda self, *args: levels.append(args[2]) or expand(self, *args))
+    for nodes, deepest in [(1, 0), (3, 2)]:
+        levels.clear()
+        result = Decoder(model, tokenizer, random_heads(model), DynamicTree(nodes, 6, 2)).generate(PROMPT, 12)
+        assert DynamicTree(nodes, 6, 2).deepest == deepest and set(levels) == set(range(1, deepest + 1))
+        assert result.token_ids == reference(model, input_ids, 12) and max(result.accept_lengths) <= deepest + 1
 
 
 @pytest.mark.parametrize("head_type", ["hydra", "eagle"])

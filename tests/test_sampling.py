@@ -1,8 +1,10 @@
+import math
 from collections import Counter
 from dataclasses import replace
 
 import pytest
 import torch
+from torch import nn
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import mtp.decoding.acceptance
@@ -31,22 +33,26 @@ def sample(decoder: Decoder, sampling: Sampling, n: int) -> tuple[Counter, Count
     return found, settled
 
 
+COHERE = {"logit_scale": 0.5, "tie_word_embeddings": False}  # untied: heads that guess well enough to be accepted
 SETTINGS = [Sampling(temperature=1.0, seed=0), Sampling(temperature=0.7, top_k=6, top_p=0.9, seed=10**6)]
 
 
 @pytest.mark.parametrize(
-    "sampling, sliding_window, head_type, lookup, tree",
+    "sampling, sliding_window, head_type, lookup, tree, model_type, family",
     [
-        (SETTINGS[0], None, "medusa", None, TREE),
-        (SETTINGS[1], None, "medusa", None, TREE),
-        (Sampling(temperature=1.0, seed=2 * 10**6), 2, "medusa", None, TREE),
-        (Sampling(temperature=0.7, top_k=6, top_p=0.9, seed=3 * 10**6), None, "hydra", None, TREE),
-        (Sampling(temperature=1.0, seed=4 * 10**6), None, "medusa", Lookup((3, 3)), TREE),
-        (Sampling(temperature=1.0, seed=5 * 10**6), None, "eagle", None, TREE),
-        (Sampling(temperature=1.0, seed=6 * 10**6), None, "hydra", None, DynamicTree(5, 3, 2)),
+        (SETTINGS[0], None, "medusa", None, TREE, None, {}),
+        (SETTINGS[1], None, "medusa", None, TREE, None, {}),
+        (Sampling(temperature=1.0, seed=2 * 10**6), 2, "medusa", None, TREE, None, {}),
+        (Sampling(temperature=0.7, top_k=6, top_p=0.9, seed=3 * 10**6), None, "hydra", None, TREE, None, {}),
+        (Sampling(temperature=1.0, seed=4 * 10**6), None, "medusa", Lookup((3, 3)), TREE, None, {}),
+        (Sampling(temperature=1.0, seed=5 * 10**6), None, "eagle", None, TREE, None, {}),
+        (Sampling(temperature=1.0, seed=6 * 10**6), None, "hydra", None, DynamicTree(5, 3, 2), None, {}),
+        (Sampling(temperature=1.0, seed=7 * 10**6), None, "medusa", None, TREE, "granite", {"logits_scaling": 2.0}),
+        (Sampling(temperature=1.0, seed=8 * 10**6), None, "medusa", None, TREE, "cohere", COHERE),
     ],
     # window 2: the last 3 tokens see their last 2; lookup: its candidates beside the heads', in the same tree;
-    # dynamic: each step's tree chosen from the drafter's probabilities
+    # dynamic: each step's tree chosen from the drafter's probabilities; granite (divides its logits by
+    # logits_scaling), cohere (multiplies them by logit_scale): the scale is part of the distribution
     ids=[
         "t1",
         "t0.7-k6-p0.9",
@@ -55,11 +61,14 @@ SETTINGS = [Sampling(temperature=1.0, seed=0), Sampling(temperature=0.7, top_k=6
         "t1-lookup",
         "t1-eagle",
         "t1-hydra-dynamic",
+        "t1-granite",
+        "t1-cohere",
     ],
 )
 def test_exact_acceptance_samples_the_base_models_joint_distribution(sampling, sliding_window, head_type, lookup,
-                                                                     tree):  # fmt: skip
-    decoder = small_vocab_decoder(sliding_window=sliding_window, head_type=head_type, lookup=lookup, tree=tree)
+                                                                     tree, model_type, family):  # fmt: skip
+    decoder = small_vocab_decoder(sliding_window=sliding_window, head_type=head_type, lookup=lookup, tree=tree,
+                                  model_type=model_type, **family)  # fmt: skip
     joint = exact_joint(decoder.base_model, sampling)
     found, settled = sample(decoder, sampling, 20_000)
     accepted = sum(v for k, v in settled.items() if isinstance(k, int) and k > 1)
@@ -80,6 +89,96 @@ def test_the_distribution_test_catches_a_rule_that_accepts_every_guess(monkeypat
     found, _ = sample(decoder, sampling, 2_000)
     with pytest.raises(AssertionError, match="cannot produce|chi"):
         assert chi_square_z(found, exact_joint(decoder.base_model, sampling)) < 4, "chi-square rejects"
+
+
+# Every step, deep: LENGTH tokens per sample, from a drafter whose deepest guesses are often accepted
+LENGTH = 12
+
+
+def sample_deep(decoder: Decoder, sampling: Sampling, n: int, rows: int = 50) -> torch.Tensor:
+    """n sampled continuations of PROMPT (n, LENGTH), `rows` at a time in one batch (one seed per batch)."""
+    found = []
+    for start in range(0, n, rows):
+        batch = decoder.batch(replace(sampling, seed=sampling.seed + start))
+        tokens = [[batch.add(PROMPT)] for _ in range(rows)]
+        while min(len(row) for row in tokens) < LENGTH:
+            for row, (block, _) in zip(tokens, batch.step(), strict=True):
+                row += block
+        found += [row[:LENGTH] for row in tokens]
+    return torch.tensor(found)
+
+
+def conditional_z(model, sampling: Sampling, samples: torch.Tensor) -> float:
+    """How far the samples (n, T) stray from the base model's distribution given each one's own prefix, at every
+    position: per position, S = sum over samples of (one-hot token - p), with p the processed distribution after
+    that sample's prefix, and S' C^+ S (C = the sum of the p's multinomial covariances) is chi-square with rank C
+    degrees of freedom, independently across positions (each token's deviation has mean 0 given all before it). The
+    total as a standard normal z (Wilson-Hilferty): above 4 by chance with p < 4e-5."""
+    ids = torch.cat([PROMPT.expand(len(samples), -1), samples], 1)
+    with torch.no_grad():
+        p = sampling.probabilities(model(ids).logits[:, PROMPT.shape[1] - 1 : -1]).double()  # (n, T, V)
+    assert bool((p.gather(2, samples[..., None]) > 0).all()), "a token the base model cannot produce"
+    deviation = nn.functional.one_hot(samples, p.shape[-1]).double() - p  # (n, T, V)
+    statistic, df = 0.0, 0
+    for t in range(samples.shape[1]):
+        covariance = torch.diag(p[:, t].sum(0)) - p[:, t].T @ p[:, t]  # (V, V)
+        total = deviation[:, t].sum(0)
+        statistic += float(total @ torch.linalg.pinv(covariance, hermitian=True) @ total)
+        df += int(torch.linalg.matrix_rank(covariance, hermitian=True))
+    return ((statistic / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+
+
+def accept_exact_wrong_at_depth_3(tokens, children, logits, sampling, generator):
+    """Exact acceptance with one bug, at depth 3 only: a rejected candidate there keeps its mass, so the bonus token
+    can repeat it."""
+    nodes = [0]
+    p = sampling.probabilities(logits[0]).cpu()
+    while True:
+        for child in children[nodes[-1]]:
+            x = int(tokens[child])
+            if mtp.decoding.acceptance.coin(float(p[x]), generator):
+                nodes.append(child)
+                p = sampling.probabilities(logits[child]).cpu()
+                break
+            if len(nodes) < 3:
+                p[x] = 0
+                p /= p.sum()
+        else:
+            return nodes, mtp.decoding.acceptance.draw(p, generator)
+
+
+DEEP = [(head_type, tree, lookup, None) for head_type in ("medusa", "hydra", "eagle")
+        for tree in (TREE, DynamicTree(6, 3, 2)) for lookup in (None, Lookup((3, 3)))]  # fmt: skip
+DEEP.append(("hydra", DynamicTree(6, 3, 2), Lookup((3, 3)), 2))  # a sliding window of 2 tokens, as a Mistral's
+
+
+@pytest.mark.parametrize(
+    "head_type, tree, lookup, window",
+    DEEP,
+    ids=[f"{h}-{'dynamic' if isinstance(t, DynamicTree) else 'static'}{'-lookup' if lookup else ''}"
+         f"{f'-window{w}' if w else ''}" for h, t, lookup, w in DEEP],
+)  # fmt: skip
+def test_every_step_samples_the_base_models_distribution_and_a_rule_wrong_at_depth_3_is_caught(
+    head_type, tree, lookup, window, monkeypatch
+):
+    """12 tokens a sample, 50 rows a batch: every position's token follows the base model's distribution given the
+    sample's own prefix, over steps that accept guesses 3 deep most of the time; the same test fails an acceptance
+    rule that is wrong at depth 3 alone."""
+    decoder = small_vocab_decoder(head_type=head_type, lookup=lookup, tree=tree, repeat=True, sliding_window=window)
+    sampling = Sampling(temperature=1.0, seed=9 * 10**6, **({} if lookup is None else {"top_k": 5, "top_p": 0.95}))
+    depths = Counter()
+    exact = mtp.decoding.acceptance.accept_exact
+
+    def counted(*args):
+        nodes, token = exact(*args)
+        depths[len(nodes) - 1] += 1
+        return nodes, token
+
+    monkeypatch.setattr(mtp.decoding.acceptance, "accept_exact", counted)
+    assert conditional_z(decoder.base_model, sampling, sample_deep(decoder, sampling, 2_000)) < 4
+    assert depths[3] > depths.total() / 3  # most steps accept 3 guesses
+    monkeypatch.setattr(mtp.decoding.acceptance, "accept_exact", accept_exact_wrong_at_depth_3)
+    assert conditional_z(decoder.base_model, sampling, sample_deep(decoder, sampling, 2_000)) > 4
 
 
 def test_top_k_top_p_and_temperature_process_logits_as_plain_sampling_does():

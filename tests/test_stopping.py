@@ -209,3 +209,15 @@ def test_decode_py_samples_reproducibly_with_a_seed_and_refuses_bad_settings(tmp
     assert done.returncode != 0 and "top_p=0.0: use a probability in (0, 1]" in done.stderr
     help_text = subprocess.run([sys.executable, str(ROOT / "decode.py"), "--help"], capture_output=True, text=True)
     assert "NOT the base model's distribution" in " ".join(help_text.stdout.split())
+
+
+def test_a_stop_sequence_that_begins_inside_a_token_keeps_the_text_before_it_and_that_token(setup, tokenizer):
+    """As `Hello.` from the one token `.\\n\\n` with the stop `\\n\\n`: the text ends before the stop sequence, the
+    token it begins in is kept, and the tokens decode to the text and that token's rest."""
+    model, expected, _ = setup
+    i = next(i for i in range(4, 40) if len(tokenizer.decode(expected[i])) > 1)  # a token of 2 or more characters
+    inside = tokenizer.decode(expected[i])
+    text, stop = tokenizer.decode(expected[:i]) + inside[:1], inside[1:] + tokenizer.decode(expected[i + 1])
+    result = Decoder(model, tokenizer).generate(PROMPT, max_new_tokens=40, stop=[stop])
+    assert result.text == text and result.token_ids == expected[: i + 1] and result.finish_reason == "stop"
+    assert tokenizer.decode(result.token_ids) == text + inside[1:]

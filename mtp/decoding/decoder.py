@@ -29,7 +29,10 @@ class GenerationResult:
     """
 
     text: str = ""
+    """The new text, cut before the caller's stop sequence if one ended generation."""
     token_ids: list[int] = field(default_factory=list)
+    """The new tokens (no EOS), as few as cover `text`: they decode to `text`, but where a stop sequence begins
+    inside a token, that token is kept whole and they decode to `text` and the token's rest."""
     finish_reason: str = "length"
     """`stop` (an EOS token or a stop sequence) or `length` (max_new_tokens reached)."""
     stop_sequence: str | None = None
@@ -78,9 +81,10 @@ class Decoder:
         self.base_model, self.tokenizer, self.drafter = base_model, tokenizer, drafter
         if pacer is None:
             tree = tree if drafter is not None and tree is not None else Tree.from_paths([])
-            if tree.size > 1 and drafter.max_depth is not None and tree.depth > drafter.max_depth:
+            levels = tree.deepest if isinstance(tree, DynamicTree) else tree.depth
+            if levels and drafter.max_depth is not None and levels > drafter.max_depth:
                 depth = drafter.max_depth
-                raise ValueError(f"The tree is {tree.depth} levels deep, but the drafter fills only {depth} levels: "
+                raise ValueError(f"The tree is {levels} levels deep, but the drafter fills only {depth} levels: "
                                  f"give a tree at most {depth} deep.")  # fmt: skip
             pacer = Pacer.fixed(Plan(tree, lookup if lookup is not None and lookup.reach else None))
         self.pacer = pacer
@@ -113,7 +117,8 @@ class Decoder:
         return ids
 
     def check_length(self, prompt_len: int, max_new_tokens: int) -> int:
-        """prompt_len + max_new_tokens, once checked: max_new_tokens >= 0, and the sum within the context window."""
+        """prompt_len + max_new_tokens, once checked: max_new_tokens >= 0, and the sum within the context window
+        (and within a longrope model's original length)."""
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens}: use 0 or a positive number of tokens.")
         max_length = prompt_len + max_new_tokens
@@ -122,6 +127,15 @@ class Decoder:
                 f"The prompt has {prompt_len} tokens and max_new_tokens is {max_new_tokens}: {max_length} in all, "
                 f"past the model's context window of {self.context} tokens: lower max_new_tokens to at most "
                 f"{self.context - prompt_len} or shorten the prompt."
+            )
+        limit = self.target.rope_limit
+        if limit is not None and max_length > limit:
+            raise ValueError(
+                f"The prompt has {prompt_len} tokens and max_new_tokens is {max_new_tokens}: {max_length} in all, "
+                f"past {limit}, where {self.base_model.config.model_type}'s longrope RoPE switches every position "
+                f"to its long factors (plain decoding then recomputes the whole sequence, which tree decoding cannot "
+                f"match): keep the prompt and max_new_tokens within {limit} tokens (max_new_tokens at most "
+                f"{max(limit - prompt_len, 0)}), or decode this request with the model's own `generate`."
             )
         return max_length
 
@@ -177,12 +191,6 @@ class Decoder:
         """Decode `prompts`, at most `batch_size` at a time, filling `results`; yield (prompt index, new text)."""
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size}: decode at least 1 prompt at a time.")
-        if batch_size > 1 and len(prompts) > 1 and self.target.length_dependent_rope:
-            raise ValueError(
-                f"{self.base_model.config.model_type} uses rope_type {self.target.length_dependent_rope}, whose "
-                "frequencies follow the longest position of a pass, so in a batch one prompt's length would change "
-                "another's output: decode these prompts with batch_size=1."
-            )
         encoded, max_lengths = [], []
         for i, prompt in enumerate(prompts):  # every prompt checked before any work
             try:
@@ -239,10 +247,10 @@ class _Answer:
                 break
         text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
         found = [(text.find(s), s) for s in self.stop if s in text]
-        if found:  # the earliest stop sequence ends the text; keep the tokens wholly before it
+        if found:  # the earliest stop sequence ends the text; keep the fewest tokens that cover it
             cut, result.stop_sequence = min(found)
             result.finish_reason, text = "stop", text[:cut]
-            while len(tokenizer.decode(result.token_ids, skip_special_tokens=True)) > cut:
+            while result.token_ids and len(tokenizer.decode(result.token_ids[:-1], skip_special_tokens=True)) >= cut:
                 result.token_ids.pop()
         result.text, result.seconds = text, time.perf_counter() - self.start
         self.done = result.finish_reason == "stop" or len(result.token_ids) == self.max_new_tokens

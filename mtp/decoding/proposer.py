@@ -86,7 +86,7 @@ class TreeProposer(Proposer):
     def propose(self, plan, trees, tokens, rooms, source):
         roots = torch.stack([row[:1] for row in tokens])  # (B, 1)
         if isinstance(plan.tree, DynamicTree):
-            return self.grow(plan.tree, roots, min(plan.tree.depth, min(rooms)))
+            return self.grow(plan.tree, roots, min(plan.tree.deepest, min(rooms)))
         tree = self.tree(plan.tree, min(rooms))
         filled = self.tokens(tree, roots) if tree.size > 1 else roots  # (B, N+1)
         return [tree] * len(tokens), list(filled)

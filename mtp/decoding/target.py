@@ -30,10 +30,16 @@ class States:
         return torch.cat([self.layers[i][row, nodes] for i in layers], -1)
 
 
+# Config attributes by which transformers' causal LMs scale lm_head's logits, each multiplied or divided by family
+# (Granite and MiniCPM3 divide by logits_scaling, HyperCLOVA X multiplies by it; Cohere's logit_scale, Falcon-H1's
+# lm_head_multiplier): which one applies is read off the model's own forward
+SCALES = ("logits_scaling", "logit_scale", "lm_head_multiplier")
+
+
 class Target:
-    """`base_model` as the verifier, the drafters and `mtp.tools.sizing` see it: its backbone and logits (with Gemma-2's
-    soft cap), embeddings, attention windows, context window, EOS ids and whether its RoPE depends on a pass's
-    length."""
+    """`base_model` as the verifier, the drafters and `mtp.tools.sizing` see it: its backbone and logits (as its own
+    forward makes them: a scale and a final soft cap), embeddings, attention windows, context window, EOS ids and
+    the length past which its RoPE changes every position's frequencies."""
 
     def __init__(self, base_model: PreTrainedModel):
         if base_model.config._attn_implementation not in ("eager", "sdpa"):
@@ -48,18 +54,47 @@ class Target:
         self.windows = attention_windows(base_model.config)
         self.context = getattr(text, "max_position_embeddings", None)
         self.softcap = getattr(text, "final_logit_softcapping", None)
+        self.scale, self.divide = self._scaling(base_model, text)
         self.eos_ids = eos_ids(base_model)
-        # RoPE that picks its frequencies from the highest position of a pass: one row would change another's
+        # RoPE whose frequencies follow the longest sequence of a pass. `dynamic` changes them only past
+        # max_position_embeddings, the context window that every request is held within. `longrope` switches from
+        # its short to its long factors once a sequence passes original_max_position_embeddings, and plain
+        # `generate` then recomputes the whole sequence: a pass that crosses it cannot match plain decoding.
         rope = getattr(text, "rope_parameters", None) or {}
-        kinds = {p.get("rope_type") for p in ([rope] if "rope_type" in rope else rope.values()) if isinstance(p, dict)}
-        self.length_dependent_rope = sorted(k for k in kinds if k and ("dynamic" in k or k == "longrope"))
+        kinds = [rope] if "rope_type" in rope else [p for p in rope.values() if isinstance(p, dict)]  # per layer type
+        longrope = [p for p in kinds if p.get("rope_type") == "longrope"]
+        self.rope_limit = min((p.get("original_max_position_embeddings") or text.original_max_position_embeddings
+                               for p in longrope), default=None)  # fmt: skip
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The base model's next-token logits (..., V) from its last hidden states (..., H)."""
-        logits = self.lm_head(hidden)
+        return self._finished(self.lm_head(hidden), self.scale, self.divide)
+
+    def _finished(self, logits: torch.Tensor, scale: float, divide: bool) -> torch.Tensor:
+        """lm_head's output `logits` scaled (divided by `scale` if `divide`), then soft-capped as the model does."""
+        if scale != 1.0:
+            logits = logits / scale if divide else logits * scale
         if self.softcap:  # Gemma-2's final soft cap, as the model's own forward applies it
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+    def _scaling(self, base_model: PreTrainedModel, text) -> tuple[float, bool]:
+        """(scale, divide): how the model's own forward turns lm_head's output into logits, found by one probe pass
+        among the scales its config names; a forward that none of them reproduces is refused."""
+        values = [float(v) for name in SCALES if isinstance(v := getattr(text, name, None), int | float) and v != 1]
+        probe = torch.arange(min(8, base_model.config.get_text_config().vocab_size), device=self.device)[None]
+        with torch.no_grad():
+            theirs = base_model(input_ids=probe, use_cache=False).logits.float()
+            raw = self.lm_head(self.backbone(input_ids=probe, use_cache=False).last_hidden_state)
+        for scale, divide in [(1.0, False)] + [(v, divide) for v in values for divide in (False, True)]:
+            if (self._finished(raw, scale, divide).float() - theirs).norm() <= 1e-3 * theirs.norm():
+                return scale, divide
+        found = ", ".join(f"{name}={getattr(text, name)}" for name in SCALES if hasattr(text, name)) or "no scale"
+        raise ValueError(
+            f"{text.model_type}'s own forward makes logits that are not its lm_head's output with the scales and soft "
+            f"cap its config names ({found}, final_logit_softcapping={self.softcap}): mtp would verify against other "
+            "logits than plain decoding samples from: decode this model with its own `generate`."
+        )
 
     def run(self, layers: bool, **inputs) -> States:
         """One pass of the backbone over `inputs` (input_ids, cache, ...); with every layer's hidden states if

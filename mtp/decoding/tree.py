@@ -172,6 +172,11 @@ class DynamicTree:
         """The most nodes of a step's tree, root included."""
         return self.nodes
 
+    @property
+    def deepest(self) -> int:
+        """The levels a step drafts: `depth`, but no more than a tree of `nodes` can hold (a chain of `nodes` - 1)."""
+        return min(self.depth, self.nodes - 1)
+
     @classmethod
     def parse(cls, name: str) -> "DynamicTree":
         parts = name.split(":")

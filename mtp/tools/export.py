@@ -142,7 +142,7 @@ def to_eagle3(drafter: Drafter, base_model, out: str | Path, speculators: bool =
               "eagle_aux_hidden_state_layer_ids": list(ids), "num_aux_hidden_states": len(ids)}  # fmt: skip
     if speculators:
         depth = max((len(path) for path in config.tree or []), default=0) or config.num_heads  # the sized tree's
-        depth = DynamicTree.parse(config.dynamic_tree).depth if config.dynamic_tree else depth
+        depth = DynamicTree.parse(config.dynamic_tree).deepest if config.dynamic_tree else depth
         architectures = base_model.config.architectures or [type(base_model).__name__]
         verifier = {"name_or_path": config.base_model, "architectures": architectures}
         exported = {

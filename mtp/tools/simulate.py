@@ -80,7 +80,7 @@ def grown_accepts(model, heads: Drafter, examples: list, plan: DynamicTree, chun
         states = States(out.last_hidden_state, out.hidden_states if layers else None)
         # as decoding would, a root grows no deeper than its room (the answer tokens after it, but the last); the
         # roots of one room at a time
-        rooms = {p: min(plan.depth, left[p] - 1) for p in roots}
+        rooms = {p: min(plan.deepest, left[p] - 1) for p in roots}
         parts = [[p for p in roots if rooms[p] == room] for room in sorted(set(rooms.values()))]
         parts = [part[start : start + chunk] for part in parts for start in range(0, len(part), chunk)]
         grown = {}
