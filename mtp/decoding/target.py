@@ -30,10 +30,10 @@ class States:
         return torch.cat([self.layers[i][row, nodes] for i in layers], -1)
 
 
-# Config attributes by which transformers' causal LMs scale lm_head's logits, each multiplied or divided by family
-# (Granite and MiniCPM3 divide by logits_scaling, HyperCLOVA X multiplies by it; Cohere's logit_scale, Falcon-H1's
-# lm_head_multiplier): which one applies is read off the model's own forward
-SCALES = ("logits_scaling", "logit_scale", "lm_head_multiplier")
+# Config attributes by which transformers' causal LMs scale lm_head's logits, multiplied or divided by family
+# (Granite and MiniCPM3 divide by logits_scaling, HyperCLOVA X multiplies by it, Cohere by logit_scale): which one
+# applies is read off the model's own forward
+SCALES = ("logits_scaling", "logit_scale")
 
 
 class Target:
