@@ -6,6 +6,9 @@ more tokens rounding otherwise than plain decoding's pass over one.
 
     python benchmarks/bf16_audit.py --drafter heads/smollm2-135m-instruct --questions data/mt_bench.jsonl \
         --out runs/bench/bf16_audit.json
+
+Beside each: how far one causal pass over the same prefix (no cache: a pass over many tokens, as a tree's) moves
+the logits at that position from plain decoding's, in the same units: the rounding noise that a flip needs.
 """
 
 import argparse
@@ -48,7 +51,12 @@ def audit(decoder, messages: list[dict], max_new_tokens: int) -> dict:
         return row
     at = next(i for i, (a, b) in enumerate(zip(ours, plain, strict=False)) if a != b)  # both end at EOS or the limit
     top, unit = logits[at].topk(2), spacing(float(logits[at].max()), model.dtype)
+    with torch.no_grad(), usual_linears(model):  # the same position's logits from one pass over the whole prefix
+        prefix = torch.cat([input_ids[0], torch.tensor(plain[:at], device=model.device)])[None]
+        whole = model(prefix, use_cache=False).logits[0, -1].float()  # (V,)
     return row | {
+        "one_pass_max_difference_in_spacings": float((whole - logits[at]).abs().max()) / unit,
+        "one_pass_plain_vs_mtp_token_in_spacings": float(whole[plain[at]] - whole[ours[at]]) / unit,
         "first_difference": at, "plain_token": plain[at], "mtp_token": ours[at], "plain_top2": top.indices.tolist(),
         "mtp_token_rank": int((logits[at] > logits[at, ours[at]]).sum()), "top1_logit": float(top.values[0]),
         "gap_in_spacings": float(top.values[0] - top.values[1]) / unit,
@@ -61,6 +69,7 @@ def main() -> None:
     parser.add_argument("--drafter", required=True)
     parser.add_argument("--questions", required=True, help="JSON lines with `turns` (first turn used) or `prompt`")
     parser.add_argument("--limit", type=int, help="the first N questions")
+    parser.add_argument("--question-ids", type=int, nargs="+", help="only these questions (`question_id`)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--device", default="cpu")
@@ -68,7 +77,8 @@ def main() -> None:
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     decoder = mtp.load(args.drafter, args.device, dtype)
-    questions = read_rows(args.questions)[: args.limit]
+    questions = [q for q in read_rows(args.questions)[: args.limit]
+                 if not args.question_ids or q.get("question_id") in args.question_ids]  # fmt: skip
     rows = []
     for question in tqdm(questions, desc="audit", unit="question"):
         prompt = question["turns"][0] if "turns" in question else question["prompt"]
@@ -92,8 +102,9 @@ def main() -> None:
         print(f"question {row['question_id']}: new token {row['first_difference']}: plain {row['plain_token']}, mtp "
               f"{row['mtp_token']} (rank {row['mtp_token_rank']} in plain's logits), "
               f"{row['plain_vs_mtp_token_in_spacings']:.2f} spacings apart at {row['top1_logit']:.4g}; "
-              f"plain's top-2 {row['plain_top2']}, "
-              f"{row['gap_in_spacings']:.2f} spacings apart")  # fmt: skip
+              f"plain's top-2 {row['plain_top2']}, {row['gap_in_spacings']:.2f} spacings apart; one pass over the "
+              f"prefix moves logits there by up to {row['one_pass_max_difference_in_spacings']:.2f} spacings and puts "
+              f"plain's token {row['one_pass_plain_vs_mtp_token_in_spacings']:.2f} spacings above mtp's")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -216,9 +216,13 @@ def test_rope_that_follows_the_passs_length_is_exact_up_to_its_limit_alone_and_i
     new = limit - max(i.shape[1] for i in ids)  # one max_new_tokens for both: the shorter prompt stops short of it
     together = decoder.generate(prompts, max_new_tokens=new, batch_size=2)
     assert [result.token_ids for result in together] == [e[:new] for e in expected]
+    past = limit - ids[0].shape[1] + 1  # one token past the limit
+    if name == "dynamic":  # dynamic NTK's limit is the context window, which no request passes
+        with pytest.raises(ValueError, match="past the model's context window of 48 tokens"):
+            decoder.generate(prompts[0], max_new_tokens=past)
     if name == "longrope":
         with pytest.raises(ValueError, match=r"past 48, where phi3's longrope RoPE switches.*max_new_tokens at most"):
-            decoder.generate(prompts[0], max_new_tokens=limit - ids[0].shape[1] + 1)
+            decoder.generate(prompts[0], max_new_tokens=past)
         decoder.target.rope_limit, new = None, 100 - ids[0].shape[1]
         assert decoder.generate(prompts[0], max_new_tokens=new).token_ids != reference(model, ids[0], new)
 
