@@ -82,7 +82,7 @@ class Target:
         """(scale, divide): how the model's own forward turns lm_head's output into logits, found by one probe pass
         among the scales its config names; a forward that none of them reproduces is refused."""
         values = [float(v) for name in SCALES if isinstance(v := getattr(text, name, None), int | float) and v != 1]
-        probe = torch.arange(min(8, base_model.config.get_text_config().vocab_size), device=self.device)[None]
+        probe = torch.arange(min(8, text.vocab_size), device=self.device)[None]
         with torch.no_grad():
             theirs = base_model(input_ids=probe, use_cache=False).logits.float()
             raw = self.lm_head(self.backbone(input_ids=probe, use_cache=False).last_hidden_state)
