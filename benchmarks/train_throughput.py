@@ -16,7 +16,6 @@ from collections import defaultdict
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
-from torch.utils.data import DataLoader
 from train_memory import resident  # beside this script
 
 from mtp.base import DEFAULT_BASE
@@ -39,7 +38,8 @@ class StepTimer(Callback):
 
 
 class Batches(DrafterDataModule):
-    """The data module over its first `count` training batches only (offline features are written for them)."""
+    """The data module over its first `count` training batches only (offline features are written for them), which
+    each epoch compared reads in the same order (the first epoch's)."""
 
     def __init__(self, count: int, **kwargs):
         super().__init__(**kwargs)
@@ -50,9 +50,6 @@ class Batches(DrafterDataModule):
         self.train_batches = self.train_batches[: self.count]
         self.train_examples = [example for batch in self.train_batches for example in batch]
         self.val_examples = []
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_batches, shuffle=False)
 
 
 def fit(args, count: int, features: str | None) -> tuple[float, float, int]:

@@ -180,7 +180,7 @@ def test_validation_batches_are_the_held_out_examples(tmp_path, tokenizer):
     assert len(set(train)) == len(train) == 15 and len(set(val)) == len(val) == 5 and not set(train) & set(val)
     assert sorted(train + val) == sorted(tuple(tokenizer(row["text"]).input_ids) for row in rows)
     assert sorted(val) == sorted(tuple(ids.tolist()) for ids, _ in data.val_examples)
-    assert sorted(seen(data.train_dataloader())) == sorted(train)  # reshuffled, the same examples
+    assert sorted(seen(data.train_dataloader())) == sorted(train)  # the same examples again
 
 
 def test_a_json_lines_value_with_unicode_line_separators_is_one_row(tmp_path):

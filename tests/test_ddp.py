@@ -1,7 +1,7 @@
-"""Data-parallel training: 2 CPU processes (gloo), each taking every other batch, reach the weights that 1 process
-reaches on the same batches accumulated two at a time, for every kind of drafter, with the teacher loss and a draft
-vocabulary (chosen on each process from the same data), and with hidden states that both processes wrote to disk
-before training."""
+"""Data-parallel training: 2 CPU processes (gloo), each taking every other batch of the data module's own order,
+reach the weights that 1 process reaches on the same batches accumulated two at a time, for every kind of drafter,
+with the teacher loss and a draft vocabulary (chosen on each process from the same data), and with hidden states that
+both processes wrote to disk before training."""
 
 import subprocess
 import sys
@@ -15,20 +15,11 @@ from tests.conftest import ROOT, TINY_BASE, TINY_CHAT
 # Run as a script: Lightning's DDP launcher starts the second process by running it again.
 SCRIPT = """
 import sys
-from functools import partial
 
 import lightning as L
-from torch.utils.data import DataLoader, DistributedSampler
 
-from mtp.training.data import DrafterDataModule, collate
+from mtp.training.data import DrafterDataModule
 from mtp.training.module import DrafterModule
-
-
-class InOrder(DrafterDataModule):  # batches in a fixed order (DDP's own sampler shuffles): process r takes r, r + 2, ..
-    def train_dataloader(self):
-        sampler = DistributedSampler(self.train_batches, shuffle=False) if self.trainer.world_size > 1 else None
-        batches = partial(collate, pad_id=self.pad_id)
-        return DataLoader(self.train_batches, batch_size=None, sampler=sampler, collate_fn=batches)
 
 
 base, chat, devices, out, kind = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
@@ -39,9 +30,8 @@ module = DrafterModule(base, head_type=kind.split("-")[0], num_heads=3, lr=1e-2,
 module.heads.save_pretrained(out + "/start")  # the same on both processes: seeded
 trainer = L.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", max_steps=2,
                     accumulate_grad_batches=3 - devices, limit_val_batches=0, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
-                    use_distributed_sampler=False)
-trainer.fit(module, InOrder(chat, base, batch_size=2, val_fraction=0))
+                    enable_progress_bar=False, enable_model_summary=False, default_root_dir=out)
+trainer.fit(module, DrafterDataModule(chat, base, batch_size=2, val_fraction=0))
 """
 
 

@@ -1,7 +1,9 @@
 import copy
 import json
 import random
+from functools import partial
 
+import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -72,8 +74,11 @@ def test_heads_learn_a_predictable_future_far_above_chance(tmp_path, lm_head):
 
 
 class Crash(Callback):
+    def __init__(self, step: int = 5):
+        self.step = step
+
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
-        if trainer.global_step == 5:
+        if trainer.global_step == self.step:
             raise RuntimeError("simulated crash")
 
 
@@ -123,6 +128,41 @@ def test_a_run_stopped_midway_resumes_at_the_step_it_reached_with_its_heads_and_
     assert restored.optimizer["param_groups"] == optimizer["param_groups"]
     assert restored.schedule == checkpoint["lr_schedulers"][0] and restored.schedule["last_epoch"] == 4
     assert not all(torch.equal(module.state_dict()[key], value) for key, value in saved.items())  # it trained on
+
+
+class Seen(Callback):
+    """The epoch and token ids of every batch trained on."""
+
+    def __init__(self):
+        self.batches = []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.batches.append((trainer.current_epoch, batch["input_ids"].tolist()))
+
+
+def test_a_run_resumed_mid_epoch_trains_on_the_batches_and_reaches_the_weights_of_a_run_never_stopped(tmp_path):
+    """16 batches an epoch; stopped 4 batches into the second epoch (the order of each epoch fixed by the seed and
+    the epoch, where the checkpoint says it was), the resumed run trains on that epoch's other 12 in order."""
+    data = partial(DrafterDataModule, TINY_CHAT, TINY_BASE, batch_size=4)
+    every_2 = dict(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_last=True)
+    L.seed_everything(0)
+    whole, never_stopped = Seen(), DrafterModule(TINY_BASE, lr=1e-2)
+    trainer(tmp_path, 24, [whole], limit_val_batches=0, enable_checkpointing=False).fit(never_stopped, data())
+    L.seed_everything(0)
+    stopped = Seen()
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        trainer(tmp_path, 24, [ModelCheckpoint(**every_2), stopped, Crash(20)], limit_val_batches=0).fit(
+            DrafterModule(TINY_BASE, lr=1e-2), data()
+        )
+    resumed, module = Seen(), DrafterModule(TINY_BASE, lr=1e-2)
+    trainer(tmp_path, 24, [resumed], limit_val_batches=0, enable_checkpointing=False).fit(
+        module, data(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt")
+    )
+    epochs = [[ids for epoch, ids in whole.batches if epoch == e] for e in (0, 1)]
+    assert len(epochs[0]) == 16 and len({str(ids) for ids in epochs[0]}) == 16 and epochs[1] != epochs[0][:8]
+    assert stopped.batches[:20] + resumed.batches == whole.batches  # the crashed step (20) is trained again
+    for name, weight in never_stopped.heads.state_dict().items():
+        torch.testing.assert_close(module.heads.state_dict()[name], weight, rtol=0, atol=1e-6, msg=name)
 
 
 def test_loss_weights_must_match_the_number_of_heads():

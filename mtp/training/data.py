@@ -8,7 +8,7 @@ from functools import partial
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 from transformers import PreTrainedTokenizerBase
 
 from mtp.base import DEFAULT_BASE, compute_dtype, load_tokenizer
@@ -79,6 +79,22 @@ def bucket(lengths: list[int], batch_size: int, seed: int = 0) -> list[list[int]
     return batches
 
 
+class EpochOrder(DistributedSampler):
+    """This process's share of the training batches, in an order fixed by the seed and the epoch, from `skip` batches
+    into epoch `epoch`: where a run resumed from a checkpoint taken that far into that epoch goes on (Lightning sets
+    the epochs after it, and makes a resumed epoch's iterator before it sets that one). Process r of w takes the r-th,
+    (r + w)-th, .. batch of the order, so w processes train on the batches one process accumulating w at a time does."""
+
+    def __init__(self, batches: list, num_replicas: int, rank: int, seed: int, epoch: int = 0, skip: int = 0):
+        super().__init__(batches, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+        self.epoch = self.start = epoch
+        self.skip = skip
+
+    def __iter__(self):
+        order = list(super().__iter__())
+        return iter(order[self.skip :] if self.epoch == self.start else order)
+
+
 class DrafterDataModule(L.LightningDataModule):
     def __init__(
         self,
@@ -108,7 +124,7 @@ class DrafterDataModule(L.LightningDataModule):
             val_data: validate on this file or folder's answers to the held-out prompts (and to prompts `data`
                 lacks) instead of on `data`'s: for example on the greedy answers only, when `data` also holds
                 sampled ones and decoding is greedy.
-            seed: for the validation split and batch grouping.
+            seed: for the validation split, batch grouping and each epoch's order of the batches.
         """
         super().__init__()
         if not 0 <= val_fraction < 1:
@@ -117,6 +133,7 @@ class DrafterDataModule(L.LightningDataModule):
         self.max_length, self.batch_size, self.val_fraction, self.seed = max_length, batch_size, val_fraction, seed
         self.val_data = val_data
         self.train_batches = self.val_batches = None
+        self.resume = {}  # from a checkpoint: the epoch it was taken in and how many of its batches had trained
 
     def setup(self, stage: str) -> None:
         if self.train_batches is not None:
@@ -179,15 +196,27 @@ class DrafterDataModule(L.LightningDataModule):
             for batch in bucket([len(ids) for ids, _ in examples], self.batch_size, self.seed)
         ]
 
-    def _loader(self, batches, shuffle: bool) -> DataLoader:
-        # Each item is one pre-grouped batch (batch_size=None), so a distributed sampler splits whole batches.
-        return DataLoader(batches, batch_size=None, shuffle=shuffle, collate_fn=partial(collate, pad_id=self.pad_id))
+    def state_dict(self) -> dict:
+        """Saved in every checkpoint: how far training was into its epoch."""
+        trainer = self.trainer
+        if trainer is None or not trainer.training:
+            return {}
+        return {"epoch": trainer.current_epoch, "batches": trainer.fit_loop.epoch_loop.batch_progress.current.processed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.resume = state
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_batches, shuffle=True)
+        # Each item is one pre-grouped batch (batch_size=None), so the sampler deals out whole batches.
+        world_size, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)
+        order = EpochOrder(self.train_batches, world_size, rank, self.seed, self.resume.get("epoch", 0),
+                           self.resume.get("batches", 0))  # fmt: skip
+        return DataLoader(
+            self.train_batches, batch_size=None, sampler=order, collate_fn=partial(collate, pad_id=self.pad_id)
+        )
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_batches, shuffle=False)
+        return DataLoader(self.val_batches, batch_size=None, collate_fn=partial(collate, pad_id=self.pad_id))
 
 
 def add_held_out_arguments(parser, required: bool = True) -> None:
