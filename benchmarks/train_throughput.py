@@ -24,10 +24,10 @@ from mtp.training.module import DrafterModule
 
 
 class StepTimer(Callback):
-    """Seconds of the training steps of each epoch, its first (warm-up) step left out."""
+    """Seconds and tokens of the training steps of each epoch, its first (warm-up) step left out."""
 
     def __init__(self):
-        self.seconds = defaultdict(float)
+        self.seconds, self.tokens = defaultdict(float), defaultdict(int)
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
         self.start = time.perf_counter()
@@ -35,11 +35,12 @@ class StepTimer(Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if batch_idx > 0:
             self.seconds[trainer.current_epoch] += time.perf_counter() - self.start
+            self.tokens[trainer.current_epoch] += int(batch["attention_mask"].sum())
 
 
 class Batches(DrafterDataModule):
     """The data module over its first `count` training batches only (offline features are written for them), which
-    each epoch compared reads in the same order (the first epoch's)."""
+    both runs read in the same order (a first epoch's)."""
 
     def __init__(self, count: int, **kwargs):
         super().__init__(**kwargs)
@@ -71,8 +72,7 @@ def fit(args, count: int, features: str | None) -> tuple[float, float, int]:
                             limit_val_batches=0)  # fmt: skip
         start = time.perf_counter()
         trainer.fit(module, data)
-    tokens = sum(int(sum(len(ids) for ids, _ in batch)) for batch in data.train_batches[1:])
-    return setup_s[0], timer.seconds[0], tokens
+    return setup_s[0], timer.seconds[0], timer.tokens[0]
 
 
 def main() -> None:

@@ -79,7 +79,7 @@ def test_datamodule_skips_and_counts_rows_without_an_answer(tmp_path):
     with pytest.warns(UserWarning, match=r"Skipped 2 of 8 rows.*'no assistant turn': 1.*not ShareGPT.*: 1"):
         data.setup("fit")
     assert len(data.train_examples) + len(data.val_examples) == 6 and len(data.val_examples) == 1
-    batches = list(data.train_dataloader())  # 5 examples in batches of 2, 2 and 1, in a random order
+    batches = list(data.train_dataloader())  # 5 examples in batches of 2, 2 and 1, in the seed's order
     assert sorted(len(batch["input_ids"]) for batch in batches) == [1, 2, 2]
     assert all(batch["loss_mask"].any() for batch in batches)
 

@@ -140,29 +140,43 @@ class Seen(Callback):
         self.batches.append((trainer.current_epoch, batch["input_ids"].tolist()))
 
 
-def test_a_run_resumed_mid_epoch_trains_on_the_batches_and_reaches_the_weights_of_a_run_never_stopped(tmp_path):
-    """16 batches an epoch; stopped 4 batches into the second epoch (the order of each epoch fixed by the seed and
-    the epoch, where the checkpoint says it was), the resumed run trains on that epoch's other 12 in order."""
+@pytest.mark.parametrize(
+    "crash, saved",
+    [(20, {"every_n_train_steps": 2}), (16, {"every_n_train_steps": 2}), (22, {})],
+    ids=["mid-epoch", "at-the-epoch-end", "at-a-validation"],  # {}: after each validation, every 4 batches
+)
+def test_a_resumed_run_trains_on_the_batches_and_reaches_the_weights_of_a_run_never_stopped(tmp_path, crash, saved):
+    """16 batches an epoch; stopped 4 batches into the second epoch, at the end of the first, or 6 batches into the
+    second with the last checkpoint taken at a validation 2 batches earlier. The order of each epoch is fixed by the
+    seed and the epoch; the resumed run trains on the rest of the epoch it was in, in order, then on the next."""
     data = partial(DrafterDataModule, TINY_CHAT, TINY_BASE, batch_size=4)
-    every_2 = dict(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_last=True)
+    fit = partial(trainer, tmp_path, 28, val_check_interval=4, limit_val_batches=1)
     L.seed_everything(0)
     whole, never_stopped = Seen(), DrafterModule(TINY_BASE, lr=1e-2)
-    trainer(tmp_path, 24, [whole], limit_val_batches=0, enable_checkpointing=False).fit(never_stopped, data())
+    fit([whole], enable_checkpointing=False).fit(never_stopped, data())
     L.seed_everything(0)
     stopped = Seen()
     with pytest.raises(RuntimeError, match="simulated crash"):
-        trainer(tmp_path, 24, [ModelCheckpoint(**every_2), stopped, Crash(20)], limit_val_batches=0).fit(
-            DrafterModule(TINY_BASE, lr=1e-2), data()
-        )
+        checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, **saved)
+        fit([checkpoints, stopped, Crash(crash)]).fit(DrafterModule(TINY_BASE, lr=1e-2), data())
     resumed, module = Seen(), DrafterModule(TINY_BASE, lr=1e-2)
-    trainer(tmp_path, 24, [resumed], limit_val_batches=0, enable_checkpointing=False).fit(
-        module, data(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt")
-    )
+    fit([resumed], enable_checkpointing=False).fit(module, data(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     epochs = [[ids for epoch, ids in whole.batches if epoch == e] for e in (0, 1)]
-    assert len(epochs[0]) == 16 and len({str(ids) for ids in epochs[0]}) == 16 and epochs[1] != epochs[0][:8]
-    assert stopped.batches[:20] + resumed.batches == whole.batches  # the crashed step (20) is trained again
+    assert len(epochs[0]) == 16 and len({str(ids) for ids in epochs[0]}) == 16 and epochs[1] != epochs[0][:12]
+    last = crash - 2 if not saved else crash  # the step of the last checkpoint
+    assert stopped.batches[:last] + resumed.batches == whole.batches
     for name, weight in never_stopped.heads.state_dict().items():
         torch.testing.assert_close(module.heads.state_dict()[name], weight, rtol=0, atol=1e-6, msg=name)
+
+
+def test_a_checkpoint_taken_mid_epoch_on_two_processes_does_not_resume_on_one():
+    data = DrafterDataModule(TINY_CHAT, TINY_BASE, batch_size=4)
+    data.setup("fit")
+    data.load_state_dict({"epoch": 1, "batches": 4, "processes": 2})
+    with pytest.raises(ValueError, match="4 batches into epoch 1 on 2 processes; this run has 1: resume it on as many"):
+        data.train_dataloader()
+    data.load_state_dict({"epoch": 1, "batches": 0, "processes": 2})  # at an epoch's start: any number
+    assert len(data.train_dataloader()) == 16
 
 
 def test_loss_weights_must_match_the_number_of_heads():

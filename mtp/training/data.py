@@ -8,6 +8,7 @@ from functools import partial
 
 import lightning as L
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, DistributedSampler
 from transformers import PreTrainedTokenizerBase
 
@@ -83,7 +84,7 @@ class EpochOrder(DistributedSampler):
     """This process's share of the training batches, in an order fixed by the seed and the epoch, from `skip` batches
     into epoch `epoch`: where a run resumed from a checkpoint taken that far into that epoch goes on (Lightning sets
     the epochs after it, and makes a resumed epoch's iterator before it sets that one). Process r of w takes the r-th,
-    (r + w)-th, .. batch of the order, so w processes train on the batches one process accumulating w at a time does."""
+    (r + w)-th, .. batch of the order (the first ones again to fill the last round)."""
 
     def __init__(self, batches: list, num_replicas: int, rank: int, seed: int, epoch: int = 0, skip: int = 0):
         super().__init__(batches, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
@@ -197,23 +198,37 @@ class DrafterDataModule(L.LightningDataModule):
         ]
 
     def state_dict(self) -> dict:
-        """Saved in every checkpoint: how far training was into its epoch."""
+        """For checkpoints taken while fitting: the epoch training was in, how many of its batches each of how many
+        processes had trained on (an epoch's end counts as the next one's start)."""
         trainer = self.trainer
-        if trainer is None or not trainer.training:
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
             return {}
-        return {"epoch": trainer.current_epoch, "batches": trainer.fit_loop.epoch_loop.batch_progress.current.processed}
+        epoch, done = trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        if done >= trainer.num_training_batches:
+            epoch, done = epoch + 1, 0
+        return {"epoch": epoch, "batches": done, "processes": self._shares()["num_replicas"]}
 
     def load_state_dict(self, state: dict) -> None:
         self.resume = state
 
     def train_dataloader(self) -> DataLoader:
+        shares = self._shares()
+        epoch, skip = self.resume.get("epoch", 0), self.resume.get("batches", 0)
+        if skip and self.resume["processes"] != shares["num_replicas"]:
+            raise ValueError(
+                f"The checkpoint was taken {skip} batches into epoch {epoch} on {self.resume['processes']} processes; "
+                f"this run has {shares['num_replicas']}: resume it on as many (devices x nodes), or from a checkpoint "
+                "taken at an epoch's end."
+            )
+        self.resume = {}  # once: a later fit of this data module starts afresh
         # Each item is one pre-grouped batch (batch_size=None), so the sampler deals out whole batches.
-        world_size, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)
-        order = EpochOrder(self.train_batches, world_size, rank, self.seed, self.resume.get("epoch", 0),
-                           self.resume.get("batches", 0))  # fmt: skip
+        order = EpochOrder(self.train_batches, shares["num_replicas"], shares["rank"], self.seed, epoch, skip)
         return DataLoader(
             self.train_batches, batch_size=None, sampler=order, collate_fn=partial(collate, pad_id=self.pad_id)
         )
+
+    def _shares(self) -> dict:  # how many processes share the batches, and which one this is
+        return (self.trainer.distributed_sampler_kwargs if self.trainer else None) or {"num_replicas": 1, "rank": 0}
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_batches, batch_size=None, collate_fn=partial(collate, pad_id=self.pad_id))
