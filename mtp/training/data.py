@@ -134,7 +134,7 @@ class DrafterDataModule(L.LightningDataModule):
         self.max_length, self.batch_size, self.val_fraction, self.seed = max_length, batch_size, val_fraction, seed
         self.val_data = val_data
         self.train_batches = self.val_batches = None
-        self.resume = {}  # from a checkpoint: the epoch it was taken in and how many of its batches had trained
+        self.resume = {}  # from a checkpoint: its epoch, how many of its batches had trained, on how many processes
 
     def setup(self, stage: str) -> None:
         if self.train_batches is not None:
