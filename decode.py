@@ -17,6 +17,7 @@ import torch
 
 import mtp
 from mtp.base import DEFAULT_BASE, load_base
+from mtp.decoding.compiled import compile_pass
 from mtp.decoding.decoder import Decoder, GenerationResult
 from mtp.decoding.lookup import add_lookup_arguments, lookup_from
 from mtp.decoding.sampling import add_sampling_arguments, sampling_from
@@ -74,6 +75,8 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object per answer on stdout")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--no-compile", dest="compile", action="store_false", default=None,
+                        help="eager verification passes: no compiling at load (see mtp.decoding.compiled)")
     args = parser.parse_args()
     interactive = args.prompt is None and args.prompts_file is None
     if args.batch_size < 1 or (args.batch_size > 1 and (args.stream or interactive)):
@@ -84,9 +87,11 @@ def main() -> None:
     if args.drafter is None and args.base_model is None:
         args.drafter = str(SHIPPED_HEADS)
     if args.drafter:
-        decoder = mtp.load(args.drafter, args.device, dtype, args.tree, args.base_model, lookup_from(args))
+        decoder = mtp.load(args.drafter, args.device, dtype, args.tree, args.base_model, lookup_from(args),
+                           compile=args.compile)  # fmt: skip
     else:
-        decoder = Decoder(*load_base(args.base_model or DEFAULT_BASE, args.device, dtype), lookup=lookup_from(args))
+        model, tokenizer = load_base(args.base_model or DEFAULT_BASE, args.device, dtype)
+        decoder = Decoder(model, tokenizer, lookup=lookup_from(args), compiled=compile_pass(model, args.compile))
     chat = decoder.tokenizer.chat_template is not None
     totals = [0, 0, 0.0]  # tokens, verification passes, seconds
     if args.batch_size > 1:

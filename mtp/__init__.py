@@ -2,6 +2,7 @@
 
 import torch
 
+from mtp.decoding.compiled import compile_pass
 from mtp.decoding.costs import candidates, fit
 from mtp.decoding.decoder import Decoder, GenerationResult
 from mtp.decoding.lookup import Lookup
@@ -26,6 +27,7 @@ def load(
     base_model: str | None = None,
     lookup: Lookup | None = None,
     heads_path: str | None = None,
+    compile: bool | None = None,
 ) -> Decoder:
     """A decoder with the drafter in the folder `drafter` and the base model it was trained for.
 
@@ -42,6 +44,8 @@ def load(
         lookup: prompt lookup's candidates beside the drafter's each step (`mtp.decoding.lookup`); `Lookup((0,))`:
             none.
         heads_path: `drafter`'s former name, still taken (give one of the two).
+        compile: run a lone prompt's verification passes compiled (`mtp.decoding.compiled`: compiled when loading,
+            minutes the first time on a small CPU); None: unless the environment sets MTP_COMPILE=0.
 
     With neither `tree` nor `lookup` (nor a `dynamic_tree` in the heads' config), each step's tree and lookup are
     chosen by expected speed on this machine (`mtp.decoding.pacing`), from what the heads' candidates accept and the
@@ -53,11 +57,12 @@ def load(
         raise TypeError("mtp.load takes the drafter's folder (or Hub id) once: as `drafter`, or as `heads_path`.")
     drafter, model, tokenizer = load_with_base(drafter or heads_path, base_model, device, dtype)
     fast_linears(drafter)  # its few rows per step, as the base model's: the product measured fastest here
+    compiled = compile_pass(model, compile)
     config, num_heads = drafter.config, drafter.config.num_heads
     if tree is None and lookup is None and config.dynamic_tree is None and config.calibration is not None:
         paths, expected = grow_tree(config.calibration, MAX_NODES)
-        pacer = fit(model, tokenizer, drafter, candidates(config, paths, expected), paths)
-        return Decoder(model, tokenizer, drafter, pacer=pacer)
+        pacer = fit(model, tokenizer, drafter, candidates(config, paths, expected), paths, compiled)
+        return Decoder(model, tokenizer, drafter, pacer=pacer, compiled=compiled)
     if tree is None and config.dynamic_tree:
         chosen = DynamicTree.parse(config.dynamic_tree)
     elif tree is not None or config.tree is None:
@@ -66,4 +71,4 @@ def load(
         chosen = Tree.from_paths(config.tree, num_heads=num_heads)
     if lookup is None:
         lookup = Lookup(tuple(config.lookup) or (0,))
-    return Decoder(model, tokenizer, drafter, chosen, lookup)
+    return Decoder(model, tokenizer, drafter, chosen, lookup, compiled=compiled)

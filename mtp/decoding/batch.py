@@ -7,7 +7,7 @@ at once; a row leaves as soon as its caller says it is done, and costs nothing a
 """
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch.profiler import record_function
@@ -15,6 +15,7 @@ from transformers import DynamicCache
 
 from mtp.decoding import acceptance
 from mtp.decoding.cache import append_rows, grouped_keys, keep_accepted, keep_rows, tree_attention_mask
+from mtp.decoding.compiled import CompiledPass
 from mtp.decoding.pacing import Pacer, Plan, Skill
 from mtp.decoding.proposer import Proposer
 from mtp.decoding.sampling import Sampling
@@ -48,10 +49,12 @@ class Batch:
     """The rows decoded together: the target model's shared cache, the drafters' states (`proposers`, each
     step in turn: see `mtp.decoding.proposer`), what each step verifies (`pacer`: see `mtp.decoding.pacing`) and
     the sampling settings (one generator for all rows: each row's tokens are drawn from its own distributions,
-    whatever the other rows draw)."""
+    whatever the other rows draw). With `compiled`, a lone row's passes run compiled over its static cache
+    (`mtp.decoding.compiled`); when a second row joins, the cache becomes a dynamic one and passes run eagerly."""
 
-    def __init__(self, target: Target, proposers: list[Proposer], pacer: Pacer, sampling: Sampling):
-        self.target, self.proposers, self.pacer = target, proposers, pacer
+    def __init__(self, target: Target, proposers: list[Proposer], pacer: Pacer, sampling: Sampling,
+                 compiled: CompiledPass | None = None):  # fmt: skip
+        self.target, self.proposers, self.pacer, self.compiled = target, proposers, pacer, compiled
         self.sampling, self.generator = sampling, sampling.generator()
         self.device = target.device
         self.rows: list[Row] = []
@@ -71,15 +74,24 @@ class Batch:
         else:
             root = acceptance.draw(self.sampling.probabilities(logits).cpu(), self.generator)
         slots = torch.arange(input_ids.shape[1], device=self.device)[None]  # (1, T)
+        max_length = max_length or self.target.context or sys.maxsize
         if self.rows:
+            if self.static:  # a second row: eager passes over a dynamic cache from here on
+                self.cache = self.compiled.unload(self.slots.shape[1])
             self.slots = append_rows(self.cache, self.slots, cache, slots)
+        elif self.compiled is not None and self.compiled.holds(input_ids.shape[1], 1):
+            self.cache, self.slots = self.compiled.load(cache), slots
         else:
             self.cache, self.slots = cache, slots
         for proposer in self.proposers:
             proposer.add(input_ids[0], states, root)
-        max_length = max_length or self.target.context or sys.maxsize
         self.rows.append(Row(input_ids.shape[1], root, max_length))
         return root
+
+    @property
+    def static(self) -> bool:
+        """Whether the rows' cache is the compiled pass's static one (a lone row that fits it)."""
+        return self.compiled is not None and self.cache is self.compiled.cache
 
     def keep(self, rows: list[bool]) -> None:
         """Keep the rows marked True, in order; the others leave the batch."""
@@ -131,16 +143,21 @@ class Batch:
                 batch[b, : tree.size], depths[b, : tree.size] = row_tokens, tree.depths
                 mask[b, : tree.size, : tree.size] = tree.mask
             positions = prefix_lens[:, None] + depths  # (B, Q)
+            if self.static and not self.compiled.holds(self.slots.shape[1], size):  # past the static cache's end
+                self.cache = self.compiled.unload(self.slots.shape[1])
+            if self.static:
+                return self.compiled.run(batch, positions, mask, self.slots, self.layers)
             attention = tree_attention_mask(mask, positions, self.slots, self.target.windows, self.target.dtype)
             with grouped_keys(self.device.type == "cpu" and size > 1):
-                return self.target.run(self.layers, input_ids=batch, position_ids=positions,
-                                       attention_mask=attention, cache=self.cache)  # fmt: skip
+                states = self.target.run(self.layers, input_ids=batch, position_ids=positions,
+                                         attention_mask=attention, cache=self.cache)  # fmt: skip
+            return replace(states, logits=self.target.logits(states.last))
 
     def accept(self, trees: list[Tree], tokens: list[torch.Tensor], states: States):
         """Each row's accepted nodes (A_b+1,), root first, by the sampling settings' rule (`mtp.decoding.acceptance`) on
         the base model's logits after each node of the pass `states`, and the tokens they settle (the accepted
         candidates, then the bonus token)."""
-        logits = self.target.logits(states.last)  # (B, Q, V) the base model's next-token logits after each node
+        logits = states.logits  # (B, Q, V) the base model's next-token logits after each node
         accepted = [
             acceptance.accept(tree, row_tokens, logits[b, : tree.size], self.sampling, self.generator)
             for b, (tree, row_tokens) in enumerate(zip(trees, tokens, strict=True))

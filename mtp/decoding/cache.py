@@ -119,7 +119,7 @@ def keep_accepted(cache: DynamicCache, slots: torch.Tensor, nodes: list[torch.Te
     for layer in cache.layers:
         for states in () if in_place else (layer.keys, layer.values):  # (B, heads, T+Q, D)
             states[:, :, length:end] = states.gather(2, index.expand(-1, states.shape[1], -1, states.shape[3]))
-        layer.crop(end - layer.keys.shape[-2])
+        layer.crop(end - int(layer.get_seq_length()))  # a static layer's keys hold every slot, filled or not
     new = prefix_lens[:, None] + torch.arange(accepted.shape[1], device=slots.device)  # (B, A)
     return torch.cat([slots, new.masked_fill(accepted < 0, -1)], 1)
 

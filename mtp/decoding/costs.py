@@ -8,6 +8,7 @@ from contextlib import nullcontext
 
 import torch
 
+from mtp.decoding.compiled import CompiledPass
 from mtp.decoding.decoder import Decoder
 from mtp.decoding.lookup import Lookup
 from mtp.decoding.pacing import Candidate, Pacer, Plan, fastest
@@ -39,16 +40,18 @@ def timed(call, device: torch.device) -> float:
 
 
 def measure_steps(model, tokenizer, heads: Drafter, paths: list[Path], context: int = CONTEXT, steps: int = 6,
-                  batch: int = 1, bound: float | None = None) -> list[float]:  # fmt: skip
+                  batch: int = 1, bound: float | None = None, compiled: CompiledPass | None = None) -> list[float]:  # fmt: skip
     """Seconds per decoding step of `batch` rows for each of `timed_sizes` in turn, after prompts of `context`
     random tokens: the median of `steps` steps after a warm-up one, timed again (RETAKES) while they spread more
     than SPREAD. Size 1 is the fastest plain step: without the drafter, with the products mtp chose
     (`mtp.linears`) or the usual ones, whichever ran faster. With `bound`, timing stops after the first size
-    whose step costs more than `bound` plain steps (no larger tree can pay)."""
+    whose step costs more than `bound` plain steps (no larger tree can pay). With `compiled`, one row's steps run
+    compiled (`mtp.decoding.compiled`), and size 1 is the fastest of the compiled plain step and the eager ones."""
     prompts = torch.randint(len(tokenizer), (batch, 1, context), generator=torch.Generator().manual_seed(0))
 
-    def median_step(size: int, usual: bool = False) -> float:
-        decoder = Decoder(model, tokenizer, heads if size > 1 else None, Tree.from_paths(paths[: size - 1]))
+    def median_step(size: int, usual: bool = False, eager: bool = False) -> float:
+        decoder = Decoder(model, tokenizer, heads if size > 1 else None, Tree.from_paths(paths[: size - 1]),
+                          compiled=None if eager else compiled)  # fmt: skip
         spent = []
         with usual_linears(model) if usual else nullcontext():
             for _ in range(RETAKES + 1):
@@ -61,7 +64,8 @@ def measure_steps(model, tokenizer, heads: Drafter, paths: list[Path], context: 
                     break
         return spent[len(spent) // 2]
 
-    costs = [min(median_step(1), median_step(1, usual=True))]
+    plain = [median_step(1, eager=True), median_step(1, usual=True, eager=True)]
+    costs = [min(plain + ([median_step(1)] if compiled is not None else []))]
     for size in timed_sizes(paths, batch)[1:]:
         costs.append(median_step(size))
         if bound is not None and costs[-1] > bound * costs[0]:
@@ -87,13 +91,15 @@ def step_costs(timed: list[float], max_nodes: int) -> list[float]:
     return costs
 
 
-def machine_key(model, heads: Drafter, context: int = CONTEXT) -> str:
-    """What step costs depend on: the device (and threads), torch, the dtype, the base model, the drafter's kind."""
+def machine_key(model, heads: Drafter, compiled: CompiledPass | None = None, context: int = CONTEXT) -> str:
+    """What step costs depend on: the device (and threads), torch, the dtype, the base model, the drafter's kind,
+    the compiled pass's buckets."""
     config = heads.config
     vocabulary = len(config.draft_vocab or []) or "full"
+    steps = f"compiled {list(compiled.buckets)}, {compiled.length} slots" if compiled is not None else "eager"
     return " | ".join([device_name(model.device), f"torch {torch.__version__}", str(model.dtype), config.identity(),
                        f"{config.num_heads} {config.head_type} heads", config.lm_head,
-                       f"draft vocabulary {vocabulary}", f"context {context}"])  # fmt: skip
+                       f"draft vocabulary {vocabulary}", f"context {context}", steps])  # fmt: skip
 
 
 def candidates(config, paths: list[Path], expected: list[float]) -> list[Candidate]:
@@ -105,21 +111,22 @@ def candidates(config, paths: list[Path], expected: list[float]) -> list[Candida
             for size in timed_sizes(paths, 1)]  # fmt: skip
 
 
-def fit(model, tokenizer, heads: Drafter, candidates: list[Candidate], paths: list[Path]) -> Pacer:
+def fit(model, tokenizer, heads: Drafter, candidates: list[Candidate], paths: list[Path],
+        compiled: CompiledPass | None = None) -> Pacer:  # fmt: skip
     """The pacing of `candidates` (trees of the first size - 1 of `paths`) on this machine: step costs for one row
     measured now (or read from the cache), those of B rows when a batch first needs them (`Pacer.prepare`); the
     first measurement on a machine says in one line what it found and chose."""
     trees = {size: Tree.from_paths(paths[: size - 1]) for size in {c.size for c in candidates}}
     best = max(candidate.tau for candidate in candidates)
     bound = round(1.5 * best * 2 + 0.5) / 2  # past this many plain steps, no candidate pays, even for good prompts
-    key = machine_key(model, heads)
+    key = machine_key(model, heads, compiled)
 
     def plans(batch: int) -> list[tuple[Plan, float]]:
         sizes = timed_sizes(paths, batch)
         name = f"{key} | sizes {sizes} | bound {bound}" + (f" | batch {batch}" if batch > 1 else "")
         fresh = []
         timed_costs = measured("step_seconds.json", name, lambda: measure_steps(model, tokenizer, heads, paths,
-                               batch=batch, bound=bound), fresh=fresh.append)  # fmt: skip
+                               batch=batch, bound=bound, compiled=compiled), fresh=fresh.append)  # fmt: skip
         last = SIZES[len(timed_costs) - 1]  # the largest size timed
         costs = step_costs(timed_costs, last + max(len(c.nodes) for c in candidates))
         options = [(Plan(trees[c.size], Lookup(c.lookup) if any(c.lookup) else None, c), c.seconds(costs, batch))

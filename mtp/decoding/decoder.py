@@ -10,6 +10,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from mtp.decoding.batch import Batch
+from mtp.decoding.compiled import CompiledPass
 from mtp.decoding.lookup import Lookup
 from mtp.decoding.pacing import Pacer, Plan
 from mtp.decoding.proposer import LookupProposer
@@ -66,6 +67,7 @@ class Decoder:
     With `lookup`, prompt lookup's candidates join the tree each step (see `mtp.decoding.lookup`). Without heads or
     lookup, every step verifies the root alone: plain one-token decoding through the same loop. A `pacer` instead
     chooses each step's tree and lookup by expected speed (`mtp.decoding.pacing`; `mtp.load` fits one to the machine).
+    With `compiled` (of this base model), a lone prompt's passes run compiled (`mtp.decoding.compiled`).
     """
 
     def __init__(
@@ -76,8 +78,10 @@ class Decoder:
         tree: Tree | DynamicTree | None = None,
         lookup: Lookup | None = None,
         pacer: Pacer | None = None,
+        compiled: CompiledPass | None = None,
     ):
-        self.target = Target(base_model)
+        self.target = compiled.target if compiled is not None else Target(base_model)
+        self.compiled = compiled
         self.base_model, self.tokenizer, self.drafter = base_model, tokenizer, drafter
         if pacer is None:
             tree = tree if drafter is not None and tree is not None else Tree.from_paths([])
@@ -98,7 +102,7 @@ class Decoder:
         proposers = [self.drafter.proposer(self.target, self._trees)] if self.drafter is not None else []
         if any(plan.lookup for options in self.pacer.plans.values() for plan, _ in options):
             proposers.append(LookupProposer())
-        return Batch(self.target, proposers, self.pacer, sampling)
+        return Batch(self.target, proposers, self.pacer, sampling, self.compiled)
 
     def encode(self, prompt: str | list[dict]) -> torch.Tensor:
         """Prompt ids (1, T): chat messages go through the chat template, a string is taken as it is."""

@@ -18,6 +18,8 @@ class States:
     layers: tuple[torch.Tensor, ...] | None
     """transformers' `hidden_states` ((B, Q, H) each: 0 the input embeddings, i decoder layer i - 1's output), when
     a drafter reads features; None otherwise."""
+    logits: torch.Tensor | None = None
+    """(B, Q, V) the base model's next-token logits after each query, where the pass computed them (verification)."""
 
     def prefix(self, length: int) -> "States":
         """The states of the first `length` queries."""
@@ -53,6 +55,7 @@ class Target:
         text = base_model.config.get_text_config(decoder=True)
         self.windows = attention_windows(base_model.config)
         self.context = getattr(text, "max_position_embeddings", None)
+        self.num_layers = text.num_hidden_layers
         self.softcap = getattr(text, "final_logit_softcapping", None)
         self.scale, self.divide = self._scaling(base_model, text)
         self.eos_ids = eos_ids(base_model)

@@ -39,8 +39,9 @@ from mtp.tools.cli import user_errors
 from mtp.training.rows import read_rows
 
 # heads: mtp without its prompt lookup, when that is on; the drafters of --against follow as against_1, against_2, ...
-METHODS = ("plain", "plain_fast", "lookup", "heads", "mtp")
-PLAIN = ("plain", "plain_fast")  # plain `generate` with the usual products, and with mtp's (when they differ)
+METHODS = ("plain", "plain_fast", "plain_compiled", "lookup", "heads", "mtp")
+# plain `generate` with the usual products, with mtp's (when they differ), and mtp's compiled plain step (when on)
+PLAIN = ("plain", "plain_fast", "plain_compiled")
 
 
 def timed_generate(model, prompts: list[torch.Tensor], max_new_tokens: int, sampling: Sampling, batch_size: int = 1,
@@ -205,6 +206,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
                         help="time each decoder N times per question, in turn, and keep its fastest time (greedy "
                         "only): steadier figures from few questions on a noisy machine")  # fmt: skip
+    parser.add_argument("--no-compile", dest="compile", action="store_false", default=None,
+                        help="eager verification passes (see mtp.decoding.compiled), and no compiled plain decoder")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--out", default="runs/bench/bench.json", help="JSON out; the Markdown table goes beside it")
@@ -222,9 +225,12 @@ def main() -> None:
         raise ValueError(f"--batch-size {args.batch_size}: give batch sizes of 1 or more.")
     if args.seed is not None:
         torch.manual_seed(args.seed)  # plain generate and prompt lookup sample with torch's global generator
-    decoder = mtp.load(args.drafter, args.device, getattr(torch, args.dtype), tree=args.tree, lookup=lookup_from(args))
+    decoder = mtp.load(args.drafter, args.device, getattr(torch, args.dtype), tree=args.tree, lookup=lookup_from(args),
+                       compile=args.compile)  # fmt: skip
     alone = decoder.lookup and not args.batch_size  # mtp with its heads alone, beside mtp with its lookup
-    heads_alone = alone and Decoder(decoder.base_model, decoder.tokenizer, decoder.drafter, decoder.tree)
+    heads_alone = alone and Decoder(decoder.base_model, decoder.tokenizer, decoder.drafter, decoder.tree,
+                                    compiled=decoder.compiled)  # fmt: skip
+    plain_compiled = decoder.compiled and Decoder(decoder.base_model, decoder.tokenizer, compiled=decoder.compiled)
     trees = args.against_tree or [None] * len(args.against)
     others = [mtp.load(path, args.device, getattr(torch, args.dtype), tree=tree)
               for path, tree in zip(args.against, trees, strict=True)]  # fmt: skip
@@ -240,7 +246,7 @@ def main() -> None:
         decoder.check_length(decoder.encode(messages).shape[1], args.max_new_tokens)
     warm_up = [{"role": "user", "content": "Hello"}]
     decoder.generate(warm_up, max_new_tokens=8, sampling=sampling)
-    for extra in (heads_alone, *others):
+    for extra in (heads_alone, plain_compiled, *others):
         if extra:
             extra.generate(warm_up, max_new_tokens=8, sampling=sampling)
     plain_fast = 1 in narrow_counts(model)  # else plain generate with mtp's products is plain generate itself
@@ -283,6 +289,9 @@ def main() -> None:
         }  # fmt: skip
         if plain_fast:
             row |= {"plain_fast_tokens": len(fast), "plain_fast_seconds": fast_seconds}
+        if plain_compiled:
+            steps = plain_compiled.generate(messages, max_new_tokens=args.max_new_tokens, sampling=sampling)
+            row |= {"plain_compiled_tokens": len(steps.token_ids), "plain_compiled_seconds": steps.seconds}
         if heads_alone:
             alone = heads_alone.generate(messages, max_new_tokens=args.max_new_tokens, sampling=sampling)
             row |= {"heads_tokens": len(alone.token_ids), "heads_seconds": alone.seconds}

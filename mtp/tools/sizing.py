@@ -28,6 +28,7 @@ from functools import partial
 
 import torch
 
+from mtp.decoding.compiled import compile_pass
 from mtp.decoding.costs import SIZES, machine_key, measure_steps, step_costs, timed, timed_sizes
 from mtp.decoding.decoder import Decoder
 from mtp.decoding.lookup import FULL, MAX_NGRAM, Lookup
@@ -82,10 +83,11 @@ def expected_speedups(heads_path: str, device: str = "cpu", dtype: torch.dtype =
         )
     heads, model, tokenizer = load_with_base(heads_path, device=device, dtype=dtype)
     paths, expected = grow_tree(heads.config.calibration, max_nodes)
-    key = machine_key(model, heads, context)
+    compiled = compile_pass(model)  # the steps as `mtp.load` runs them
+    key = machine_key(model, heads, compiled, context)
     name = f"{key} | sizes {timed_sizes(paths, 1)}"
-    timed_costs = measured("step_seconds.json", name, lambda: measure_steps(model, tokenizer, heads, paths, context),
-                           again=remeasure)  # fmt: skip
+    timed_costs = measured("step_seconds.json", name, lambda: measure_steps(model, tokenizer, heads, paths, context,
+                           compiled=compiled), again=remeasure)  # fmt: skip
     costs = step_costs(timed_costs, len(expected) + max(LOOKUP_LENGTHS))
     speedups = [tau * costs[0] / cost for tau, cost in zip(expected, costs, strict=False)]
     table = {"size": list(range(1, len(expected) + 1)), "expected_tau": expected,

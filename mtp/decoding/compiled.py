@@ -1,0 +1,169 @@
+"""The verification pass compiled: the base model's forward over a fixed set of node counts, over a preallocated KV
+cache, so that a pass over a tree costs about what the machine charges for streaming the weights once, not what
+eager kernels and per-operation overhead charge.
+
+Eager PyTorch pays per operation and multiplies a few rows by each weight matrix with kernels made for many; a
+pass over 4 nodes of SmolLM2-135M cost 1.9x a one-token pass here. `torch.compile` (inductor) fuses the small
+operations and, on a CPU, with the weights frozen as constants, packs each weight once for the GEMM kernel it
+autotuned; on a GPU it replays the pass as a CUDA graph. Both need fixed shapes, so the pass runs for a few node
+counts (`BUCKETS`: a tree is padded up to the next one with nodes that only see themselves) over a cache of
+`LENGTH` slots allocated once (transformers' static cache layers): a pass writes its nodes after the filled slots,
+`mtp.decoding.cache.keep_accepted` copies the accepted ones into place and the rest are overwritten by the next
+pass. Nothing is compiled while decoding: every bucket is compiled when the decoder is made (`warm_up`).
+
+One row at a time: when a second row joins a batch, or a pass would run past the cache's end, the cache moves into
+a dynamic one and passes run eagerly from there on (`mtp.decoding.batch`); a pass over more nodes than the largest
+bucket runs eagerly over the static cache. The compiled pass computes the same function as the eager one: float32
+logits agree to rounding (tests/test_compiled.py), so greedy output is plain greedy output.
+
+Compiling is per process (frozen weights live in the compiled code); the generated kernels and the autotuned
+choices are kept under mtp's cache folder and reused by later processes.
+"""
+
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+from transformers.cache_utils import Cache, StaticLayer
+
+from mtp.decoding.cache import grouped_keys, tree_attention_mask
+from mtp.decoding.target import States, Target
+from mtp.linears import usual_linears
+from mtp.machine import cache_dir
+
+BUCKETS = (1, 4, 16)  # node counts compiled: a tree is padded up to the next one (each costs 1-2 min to compile here)
+LENGTH = 1024  # cache slots: prompt, answer and one pass's nodes must fit
+INDUCTOR_DIR = "TORCHINDUCTOR_CACHE_DIR"
+
+
+class CompiledPass:
+    """The base model's verification pass over one row, compiled for each of `buckets` node counts, over a
+    static cache of `length` slots.
+
+    Args:
+        target: the base model as the verifier sees it.
+        buckets: node counts to compile, ascending.
+        length: cache slots.
+        tune: on a CPU, autotune each product's kernel among inductor's C++ GEMM templates and oneDNN/MKL (the
+            templates win for a few rows); False compiles faster (tests).
+    """
+
+    def __init__(self, target: Target, buckets: tuple[int, ...] = BUCKETS,
+                 length: int = LENGTH, tune: bool = True):  # fmt: skip
+        if list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
+            raise ValueError(f"buckets={buckets}: give node counts from 1 up, ascending, each once.")
+        self.target, self.buckets = target, tuple(buckets)
+        self.length = min(length, target.context or length)
+        self.cache = Cache(layers=[StaticLayer(self.length) for _ in range(target.num_layers)])
+        if os.environ.get(INDUCTOR_DIR, default_cache_dir()) == default_cache_dir():  # unless the user chose one
+            os.environ[INDUCTOR_DIR] = str(cache_dir() / "inductor")  # kernels and autotuning kept beside mtp's
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(buckets) + 2)
+        if target.device.type == "cuda":  # replayed as a CUDA graph: one launch per pass
+            options = {"triton.cudagraphs": True, "freezing": True}
+        else:
+            options = {"freezing": True, "max_autotune": tune, "max_autotune_gemm_backends": "CPP,ATEN"}
+        self._compiled = torch.compile(self._forward, dynamic=False, options=options)
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask) -> tuple:
+        """(hidden states, logits, every layer's hidden states) of a pass, writing its keys and values after the
+        cache's filled slots."""
+        out = self.target.backbone(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                                   past_key_values=self.cache, use_cache=True, output_hidden_states=True)  # fmt: skip
+        return out.last_hidden_state, self.target.logits(out.last_hidden_state), out.hidden_states
+
+    def holds(self, filled: int, queries: int) -> bool:
+        """Whether the static cache has room for a pass over `queries` nodes after `filled` slots."""
+        return filled + (self.bucket(queries) or queries) <= self.length
+
+    def bucket(self, queries: int) -> int | None:
+        """The node count a pass over `queries` nodes is padded to; None: more than the largest bucket."""
+        return next((size for size in self.buckets if size >= queries), None)
+
+    def load(self, cache: DynamicCache) -> Cache:
+        """This pass's static cache holding what the one-row `cache` holds (a prefill's), in its first slots."""
+        for layer, filled in zip(self.cache.layers, cache.layers, strict=True):
+            if not layer.is_initialized:
+                layer.lazy_initialization(filled.keys, filled.values)
+            length = filled.keys.shape[2]
+            layer.keys[:, :, :length] = filled.keys  # (1, G, T, D)
+            layer.values[:, :, :length] = filled.values
+            layer.cumulative_length.fill_(length)
+        return self.cache
+
+    def unload(self, filled: int) -> DynamicCache:
+        """A dynamic cache with the first `filled` slots of the static one (for eager steps from here on)."""
+        cache = DynamicCache()
+        for index, layer in enumerate(self.cache.layers):
+            cache.update(layer.keys[:, :, :filled].clone(), layer.values[:, :, :filled].clone(), index)
+        return cache
+
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor, slots: torch.Tensor,
+            layers: bool = False) -> States:  # fmt: skip
+        """One pass over the nodes `tokens` (1, Q) at `positions` (1, Q), node i seeing node j iff `tree_mask`
+        (1, Q, Q), after the filled slots `slots` (1, T) of the static cache: their states (every layer's if
+        `layers`) and logits. Compiled, the pass is padded to its bucket; over more nodes than the largest bucket,
+        it runs eagerly. The cache then holds T + the pass's nodes (padding included) slots."""
+        queries, filled = tokens.shape[1], slots.shape[1]
+        size = self.bucket(queries) or queries
+        pad = size - queries
+        tokens = F.pad(tokens, (0, pad))  # (1, S) padded nodes: token 0 at the root's position, seeing only itself
+        positions = F.pad(positions, (0, pad), value=int(positions[0, 0]))
+        tree_mask = F.pad(tree_mask, (0, pad, 0, pad)) | torch.eye(size, dtype=torch.bool, device=tokens.device)
+        mask = tree_attention_mask(tree_mask, positions, slots, self.target.windows, self.target.dtype)
+        if mask is None:  # one node after filled slots, no window: eagerly the model's own path, here a mask
+            mask = torch.zeros(1, 1, size, filled + size, dtype=self.target.dtype, device=tokens.device)
+        blocked, rest = torch.finfo(self.target.dtype).min, (0, self.length - filled - size)  # the slots after: unseen
+        if isinstance(mask, dict):  # (1, 1, S, T+S) -> (1, 1, S, length) each
+            mask = {kind: F.pad(m, rest, value=blocked) for kind, m in mask.items()}
+        else:
+            mask = F.pad(mask, rest, value=blocked)
+        forward = self._compiled if self.bucket(queries) else self._forward
+        backbone, lm_head = self.target.backbone, self.target.lm_head  # traced with the usual products, which it packs
+        with grouped_keys(self.target.device.type == "cpu"), usual_linears(backbone), usual_linears(lm_head):
+            hidden, logits, states = forward(tokens, positions, mask)
+        states = tuple(layer[:, :queries] for layer in states) if layers else None
+        return States(hidden[:, :queries], states, logits[:, :queries])
+
+    @torch.no_grad()
+    def warm_up(self) -> None:
+        """Compile every bucket now, on a cache of a few dummy tokens, saying in one line what it took."""
+        start, took = time.perf_counter(), []
+        context = 8
+        prefill = DynamicCache()
+        self.target.run(False, input_ids=torch.zeros(1, context, dtype=torch.long, device=self.target.device),
+                        cache=prefill)  # fmt: skip
+        print(f"mtp: compiling the verification pass for {', '.join(map(str, self.buckets))} nodes on "
+              f"{self.target.device.type} (once per process; kernels kept in {os.environ[INDUCTOR_DIR]})",
+              end="", file=sys.stderr, flush=True)  # fmt: skip
+        slots = torch.arange(context, device=self.target.device)[None]
+        for size in self.buckets:
+            self.load(prefill)
+            step = time.perf_counter()
+            nodes = torch.zeros(1, size, dtype=torch.long, device=self.target.device)
+            self.run(nodes, context + torch.arange(size, device=nodes.device)[None],
+                     torch.ones(1, size, size, dtype=torch.bool, device=nodes.device).tril(), slots)  # fmt: skip
+            took.append(time.perf_counter() - step)
+            print(f" {size}: {took[-1]:.0f} s", end="", file=sys.stderr, flush=True)
+        print(f"; {time.perf_counter() - start:.0f} s in all", file=sys.stderr)
+
+
+def compile_pass(base_model, compile: bool | None = None) -> CompiledPass | None:
+    """`base_model`'s verification pass compiled and warmed up if `compile` (None: unless the environment sets
+    MTP_COMPILE=0); None if not, or if compiling fails (then said in one line: decoding steps run eagerly)."""
+    if compile is None:
+        compile = os.environ.get("MTP_COMPILE", "1") != "0"
+    if not compile:
+        return None
+    compiled = CompiledPass(Target(base_model))
+    try:
+        compiled.warm_up()
+    except Exception as error:  # a model or device that inductor cannot compile: eager steps, as before
+        print(f"\nmtp: could not compile {base_model.config.model_type}'s verification pass "
+              f"({error.__class__.__name__}: {str(error).splitlines()[0][:200]}): decoding steps run eagerly",
+              file=sys.stderr)  # fmt: skip
+        return None
+    return compiled
