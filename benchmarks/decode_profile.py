@@ -4,7 +4,8 @@ stop checks), then the operators that take the most time per step, over a few MT
 
     python benchmarks/decode_profile.py --drafter DRAFTER --questions data/mt_bench.jsonl
 
-The plain step is the same loop without heads or lookup: one token per pass, the base model's own attention path.
+The plain step is the same loop without heads or lookup: one token per pass, on the same pass as the tree step
+(compiled unless MTP_COMPILE=0; eager, the base model's own attention path).
 """
 
 import argparse
@@ -45,7 +46,7 @@ def main() -> None:
     parser.add_argument("--ops", type=int, default=10, help="operators listed, by their time in the tree step")
     args = parser.parse_args()
     decoder = mtp.load(args.drafter, tree=args.tree)
-    plain = Decoder(decoder.base_model, decoder.tokenizer)
+    plain = Decoder(decoder.base_model, decoder.tokenizer, compiled=decoder.compiled)
     prompts = [[{"role": "user", "content": row["turns"][0]}] for row in read_rows(args.questions)[: args.limit]]
     found = {name: profiled(d, prompts, args.max_new_tokens) for name, d in (("plain", plain), ("tree", decoder))}
     print(f"{'ms per step (profiler on)':36s} {'plain':>8s} {'tree':>8s}")

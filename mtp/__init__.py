@@ -57,8 +57,8 @@ def load(
         raise TypeError("mtp.load takes the drafter's folder (or Hub id) once: as `drafter`, or as `heads_path`.")
     drafter, model, tokenizer = load_with_base(drafter or heads_path, base_model, device, dtype)
     fast_linears(drafter)  # its few rows per step, as the base model's: the product measured fastest here
-    compiled = compile_pass(model, compile)
     config, num_heads = drafter.config, drafter.config.num_heads
+    compiled = compile_pass(model, compile, layers=bool(config.feature_layers))
     if tree is None and lookup is None and config.dynamic_tree is None and config.calibration is not None:
         paths, expected = grow_tree(config.calibration, MAX_NODES)
         pacer = fit(model, tokenizer, drafter, candidates(config, paths, expected), paths, compiled)

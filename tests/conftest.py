@@ -1,6 +1,7 @@
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub; set before transformers is imported
+os.environ["MTP_COMPILE"] = "0"  # mtp.load and the command lines decode eagerly here; tests/test_compiled.py compiles
 
 import itertools  # noqa: E402
 import math  # noqa: E402

@@ -23,10 +23,12 @@ choices are kept under mtp's cache folder and reused by later processes.
 import os
 import sys
 import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+from torch._inductor import config as inductor
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from transformers.cache_utils import Cache, StaticLayer
 
@@ -46,34 +48,32 @@ class CompiledPass:
 
     Args:
         target: the base model as the verifier sees it.
+        layers: passes give every layer's hidden states too (for a drafter that reads features).
         buckets: node counts to compile, ascending.
         length: cache slots.
         tune: on a CPU, autotune each product's kernel among inductor's C++ GEMM templates and oneDNN/MKL (the
             templates win for a few rows); False compiles faster (tests).
     """
 
-    def __init__(self, target: Target, buckets: tuple[int, ...] = BUCKETS,
+    def __init__(self, target: Target, layers: bool = False, buckets: tuple[int, ...] = BUCKETS,
                  length: int = LENGTH, tune: bool = True):  # fmt: skip
         if list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
             raise ValueError(f"buckets={buckets}: give node counts from 1 up, ascending, each once.")
-        self.target, self.buckets = target, tuple(buckets)
+        self.target, self.layers, self.buckets = target, layers, tuple(buckets)
         self.length = min(length, target.context or length)
         self.cache = Cache(layers=[StaticLayer(self.length) for _ in range(target.num_layers)])
         if os.environ.get(INDUCTOR_DIR, default_cache_dir()) == default_cache_dir():  # unless the user chose one
             os.environ[INDUCTOR_DIR] = str(cache_dir() / "inductor")  # kernels and autotuning kept beside mtp's
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(buckets) + 2)
+        # inductor's settings for tracing and compiling, set around each call: `torch.compile(options=...)` would
+        # not freeze the weights (the tracer reads `freezing` from the global config)
+        self.settings = {"freezing": True}
         if target.device.type == "cuda":  # replayed as a CUDA graph: one launch per pass
-            options = {"triton.cudagraphs": True, "freezing": True}
+            self.settings["triton.cudagraphs"] = True
         else:
-            options = {"freezing": True, "max_autotune": tune, "max_autotune_gemm_backends": "CPP,ATEN"}
-        self._compiled = torch.compile(self._forward, dynamic=False, options=options)
-
-    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask) -> tuple:
-        """(hidden states, logits, every layer's hidden states) of a pass, writing its keys and values after the
-        cache's filled slots."""
-        out = self.target.backbone(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                                   past_key_values=self.cache, use_cache=True, output_hidden_states=True)  # fmt: skip
-        return out.last_hidden_state, self.target.logits(out.last_hidden_state), out.hidden_states
+            self.settings |= {"max_autotune": tune, "max_autotune_gemm_backends": "CPP,ATEN"}
+        self._forward = _Pass(target, self.cache, layers)
+        self._compiled = torch.compile(self._forward, dynamic=False)
 
     def holds(self, filled: int, queries: int) -> bool:
         """Whether the static cache has room for a pass over `queries` nodes after `filled` slots."""
@@ -123,8 +123,11 @@ class CompiledPass:
             mask = F.pad(mask, rest, value=blocked)
         forward = self._compiled if self.bucket(queries) else self._forward
         backbone, lm_head = self.target.backbone, self.target.lm_head  # traced with the usual products, which it packs
-        with grouped_keys(self.target.device.type == "cpu"), usual_linears(backbone), usual_linears(lm_head):
+        with grouped_keys(self.target.device.type == "cpu"), usual_linears(backbone), usual_linears(lm_head), \
+                inductor.patch(self.settings):  # fmt: skip
             hidden, logits, states = forward(tokens, positions, mask)
+        if layers and states is None:
+            raise ValueError("This compiled pass gives no hidden states but the last: build it with layers=True.")
         states = tuple(layer[:, :queries] for layer in states) if layers else None
         return States(hidden[:, :queries], states, logits[:, :queries])
 
@@ -151,14 +154,33 @@ class CompiledPass:
         print(f"; {time.perf_counter() - start:.0f} s in all", file=sys.stderr)
 
 
-def compile_pass(base_model, compile: bool | None = None) -> CompiledPass | None:
-    """`base_model`'s verification pass compiled and warmed up if `compile` (None: unless the environment sets
-    MTP_COMPILE=0); None if not, or if compiling fails (then said in one line: decoding steps run eagerly)."""
+class _Pass(torch.nn.Module):
+    """The pass that is compiled: the backbone over the static `cache`, then the logits as the model makes them.
+    A module holding the model's modules, so that the compiler sees their weights as parameters, which it freezes."""
+
+    def __init__(self, target: Target, cache: Cache, layers: bool):
+        super().__init__()
+        self.backbone, self.lm_head, self.cache, self.layers = target.backbone, target.lm_head, cache, layers
+        self.finish = partial(target._finished, scale=target.scale, divide=target.divide)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask) -> tuple:
+        """(last hidden states, logits, every layer's hidden states or None), the pass's keys and values written
+        after the cache's filled slots."""
+        out = self.backbone(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, cache=self.cache,
+                            use_cache=True, output_hidden_states=self.layers)  # fmt: skip
+        hidden = out.last_hidden_state
+        return hidden, self.finish(self.lm_head(hidden)), out.hidden_states if self.layers else None
+
+
+def compile_pass(base_model, compile: bool | None = None, layers: bool = False) -> CompiledPass | None:
+    """`base_model`'s verification pass (with every layer's hidden states if `layers`) compiled and warmed up if
+    `compile` (None: unless the environment sets MTP_COMPILE=0); None if not, or if compiling fails (then said in
+    one line: decoding steps run eagerly)."""
     if compile is None:
         compile = os.environ.get("MTP_COMPILE", "1") != "0"
     if not compile:
         return None
-    compiled = CompiledPass(Target(base_model))
+    compiled = CompiledPass(Target(base_model), layers)
     try:
         compiled.warm_up()
     except Exception as error:  # a model or device that inductor cannot compile: eager steps, as before

@@ -104,7 +104,7 @@ def markdown(summary: dict[str, dict]) -> str:
     speeds = [key.removesuffix("_tokens_per_second") for key in summary["overall"] if key.endswith("_per_second")]
     others = [name for name in speeds if name != "mtp"]  # in `timed`'s order
     drafters = [name for name in others if name.startswith("against_")]
-    ratios = (["fastest_plain"] if "plain_fast" in others else []) + others  # vs the faster plain one first
+    ratios = (["fastest_plain"] if len(set(PLAIN) & set(others)) > 1 else []) + others  # vs the fastest plain first
     columns = ["category", "questions", "tau", *(f"{name.replace('_', ' ')} tok/s" for name in ["mtp", *others])]
     columns += [*(f"vs {name.replace('_', ' ')}" for name in ratios), "accepted from heads / lookup", "mismatches"]
     columns += [f"{name.replace('_', ' ')} {figure}" for name in drafters for figure in ("tau", "mismatches")]

@@ -1,0 +1,91 @@
+"""The base model's verification pass over n tree nodes after a prompt, eager (a dynamic cache, as a batch of
+several rows runs it) against compiled (`mtp.decoding.compiled`, as one row runs it), in one process: the median
+milliseconds of each and their ratios to the eager and the compiled one-node pass, and the compile time.
+
+    python benchmarks/compiled_steps.py --nodes 1 2 4 8 16 --dtype float32
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import DynamicCache
+
+from mtp.base import DEFAULT_BASE, load_base
+from mtp.decoding.cache import grouped_keys, tree_attention_mask
+from mtp.decoding.compiled import CompiledPass
+from mtp.decoding.target import Target
+from mtp.machine import device_name
+
+
+def median_ms(call, device: torch.device, repeats: int) -> float:
+    spent = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        spent.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(spent)
+
+
+@torch.no_grad()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base-model", default=DEFAULT_BASE)
+    parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--context", type=int, default=256, help="prompt tokens before the pass")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--no-tune", dest="tune", action="store_false", help="compile without autotuning the GEMMs")
+    args = parser.parse_args()
+    model, _ = load_base(args.base_model, args.device, getattr(torch, args.dtype))
+    target = Target(model)
+    prompt = torch.randint(1000, (1, args.context), generator=torch.Generator().manual_seed(0)).to(model.device)
+    prefill = DynamicCache()
+    target.run(False, input_ids=prompt, cache=prefill)
+    slots = torch.arange(args.context, device=model.device)[None]  # (1, T)
+    start = time.perf_counter()
+    compiled = CompiledPass(target, buckets=tuple(sorted(args.nodes)), tune=args.tune)
+    compiled.warm_up()
+    compile_seconds = time.perf_counter() - start
+
+    def inputs(nodes: int):  # a chain of `nodes` tokens: (1, n) tokens and positions, (1, n, n) mask
+        tokens = torch.randint(1000, (1, nodes), device=model.device)
+        positions = args.context + torch.arange(nodes, device=model.device)[None]
+        return tokens, positions, torch.ones(1, nodes, nodes, dtype=torch.bool, device=model.device).tril()
+
+    def eager(nodes: int) -> None:
+        tokens, positions, tree_mask = inputs(nodes)
+        cache = DynamicCache()
+        for index, layer in enumerate(prefill.layers):  # the prompt's cache, as a step finds it
+            cache.update(layer.keys, layer.values, index)
+        mask = tree_attention_mask(tree_mask, positions, slots, target.windows, target.dtype)
+        with grouped_keys(model.device.type == "cpu" and nodes > 1):
+            target.logits(target.run(False, input_ids=tokens, position_ids=positions, attention_mask=mask,
+                                     cache=cache).last)  # fmt: skip
+
+    def compiled_pass(nodes: int) -> None:
+        compiled.load(prefill)
+        compiled.run(*inputs(nodes), slots)
+
+    rows = []
+    for nodes in args.nodes:
+        eager(nodes), compiled_pass(nodes)  # warm-up
+        rows.append((nodes, median_ms(lambda: eager(nodes), model.device, args.repeats),
+                     median_ms(lambda: compiled_pass(nodes), model.device, args.repeats)))  # fmt: skip
+    print(f"{device_name(model.device)}, {args.dtype}, {args.context} tokens of context, {compiled.length} slots; "
+          f"compiling {len(args.nodes)} node counts {'with' if args.tune else 'without'} autotuning took "
+          f"{compile_seconds:.0f} s")  # fmt: skip
+    print("| nodes | eager ms | compiled ms | compiled / eager | eager / eager 1 | compiled / compiled 1 |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    eager_one, compiled_one = rows[0][1], rows[0][2]
+    for nodes, eager_ms, compiled_ms in rows:
+        print(f"| {nodes} | {eager_ms:.1f} | {compiled_ms:.1f} | {compiled_ms / eager_ms:.2f}x | "
+              f"{eager_ms / eager_one:.2f}x | {compiled_ms / compiled_one:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

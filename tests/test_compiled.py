@@ -1,0 +1,156 @@
+"""The compiled verification pass (mtp.decoding.compiled): the same logits as the eager pass in every bucket, the
+cache after acceptance a causal run's, no compiling while decoding, greedy output plain greedy output alone and in
+batches, and the ways back to eager steps (the cache's end, a second row, a tree past the largest bucket, a model
+that does not compile). Compiled without autotuning (tune=False), which changes kernels, not what they compute."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from transformers import DynamicCache
+
+import mtp.decoding.compiled as compiled_module
+from mtp.base import load_tokenizer
+from mtp.decoding.cache import tree_attention_mask
+from mtp.decoding.compiled import CompiledPass, compile_pass
+from mtp.decoding.decoder import Decoder
+from mtp.decoding.target import Target
+from mtp.decoding.tree import Tree
+
+from conftest import PROMPT, SLIDING, TINY_BASE, TREE, OracleHeads, random_heads, reference, tiny_model
+
+SMALL = Tree.from_paths([(0,), (1,), (0, 0)])  # 4 nodes: bucket 4; TREE (10 nodes) is past the largest bucket
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(TINY_BASE)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def compiled(model):
+    """The tiny Llama's pass compiled for 1 and 4 nodes over 256 slots, with every layer's hidden states."""
+    compiled = CompiledPass(Target(model), layers=True, buckets=(1, 4), length=256, tune=False)
+    compiled.warm_up()
+    return compiled
+
+
+def prefilled(model, prompt: torch.Tensor) -> DynamicCache:
+    cache = DynamicCache()
+    with torch.no_grad():
+        model.get_decoder()(input_ids=prompt, cache=cache, use_cache=True)
+    return cache
+
+
+@pytest.mark.parametrize("tree", [Tree.from_paths([]), Tree.from_paths([(0,), (1,)]), SMALL, TREE])
+def test_compiled_logits_equal_the_eager_passes_in_every_bucket(model, compiled, tokenizer, tree):
+    """1 node (bucket 1), 3 nodes padded to 4, 4 nodes, and 10 nodes (past the largest bucket: eager, over the
+    static cache): every node's logits and hidden states those of the eager pass over a dynamic cache."""
+    prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
+    tokens = torch.randint(0, 512, (1, tree.size), generator=torch.Generator().manual_seed(tree.size))
+    positions = (prompt.shape[1] + tree.depths)[None]  # (1, Q)
+    slots = torch.arange(prompt.shape[1])[None]
+    target = compiled.target
+    with torch.no_grad():
+        compiled.load(prefilled(model, prompt))
+        ours = compiled.run(tokens, positions, tree.mask[None], slots, layers=True)
+        cache = prefilled(model, prompt)
+        mask = tree_attention_mask(tree.mask[None], positions, slots, target.windows, target.dtype)
+        theirs = target.run(True, input_ids=tokens, position_ids=positions, attention_mask=mask, cache=cache)
+    torch.testing.assert_close(ours.logits, target.logits(theirs.last), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(ours.last, theirs.last, atol=1e-5, rtol=1e-4)
+    assert len(ours.layers) == len(theirs.layers) == model.config.num_hidden_layers + 1
+    assert int(compiled.cache.get_seq_length()) == prompt.shape[1] + (compiled.bucket(tree.size) or tree.size)
+
+
+def test_the_static_cache_after_acceptance_equals_a_causal_run(model, compiled, tokenizer):
+    """Steps of oracle heads accept several nodes each, copied into place from their padded pass; the filled slots
+    then hold what a causal run over the prompt and the settled tokens caches."""
+    prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
+    expected = reference(model, prompt, 40)
+    oracle = OracleHeads(model, torch.cat([prompt[0], torch.tensor(expected)]), num_heads=3)
+    decoder = Decoder(model, tokenizer, oracle, SMALL, compiled=compiled)
+    batch = decoder.batch()
+    settled = [batch.add(prompt)]
+    for _ in range(5):
+        (tokens, _), = batch.step()
+        settled += tokens
+    assert batch.static and len(settled) > 5 + 1  # accepted more than the bonus tokens, on the static cache
+    filled = batch.slots.shape[1]
+    assert filled == prompt.shape[1] + len(settled) - 1  # the last settled token is the next root, not cached
+    causal = prefilled(model, torch.cat([prompt[0], torch.tensor(settled[:-1])])[None])
+    for ours, theirs in zip(compiled.cache.layers, causal.layers, strict=True):
+        torch.testing.assert_close(ours.keys[:, :, :filled], theirs.keys, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(ours.values[:, :, :filled], theirs.values, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("heads", ["none", "random", "oracle"])
+def test_greedy_decoding_on_the_compiled_pass_is_plain_greedy_and_compiles_nothing_more(model, compiled, tokenizer,
+                                                                                         heads):  # fmt: skip
+    """200 new tokens, plain steps (bucket 1) or 4-node trees (bucket 4), without a single new graph."""
+    prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
+    expected = reference(model, prompt, 200)
+    drafter = {"none": None, "random": random_heads(model, num_heads=3),
+               "oracle": OracleHeads(model, torch.cat([prompt[0], torch.tensor(expected)]), num_heads=3)}[heads]
+    graphs = counters["stats"]["unique_graphs"]
+    result = Decoder(model, tokenizer, drafter, SMALL, compiled=compiled).generate(PROMPT, max_new_tokens=200)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert result.token_ids == expected
+    if heads == "oracle":
+        assert result.tau > 2.5
+
+
+def test_batches_and_requests_past_the_cache_move_to_eager_steps_and_stay_exact(model, compiled, tokenizer):
+    """Three prompts two at a time (the second row's arrival moves the first's cache to a dynamic one) and one
+    prompt of 300 new tokens past the 256 slots (moved when its next pass would not fit), with trees past the
+    largest bucket on the way: each output is the prompt's own greedy output."""
+    prompts = [PROMPT, "Hi", "The quick brown fox jumps over the lazy dog"]
+    heads = random_heads(model, num_heads=4)
+    for tree in (SMALL, TREE):
+        decoder = Decoder(model, tokenizer, heads, tree, compiled=compiled)
+        results = decoder.generate(prompts, max_new_tokens=30, batch_size=2)
+        for prompt, result in zip(prompts, results, strict=True):
+            assert result.token_ids == reference(model, tokenizer(prompt, return_tensors="pt").input_ids, 30)
+    prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
+    batch = Decoder(model, tokenizer, heads, SMALL, compiled=compiled).batch()
+    settled, static = [batch.add(prompt, max_length=prompt.shape[1] + 300)], []
+    while len(settled) < 300:
+        static.append(batch.static)
+        (tokens, _), = batch.step()
+        settled += tokens
+    assert static[0] and not static[-1] and static == sorted(static, reverse=True)  # static, then eager for good
+    assert settled[:300] == reference(model, prompt, 300)
+
+
+def test_a_sliding_window_model_keeps_its_window_when_compiled(tokenizer):
+    """Mistral with a window of 16: the compiled pass takes the windowed mask, and 60 tokens (past the window)
+    equal plain greedy decoding."""
+    model = tiny_model("mistral", **SLIDING["mistral"])
+    compiled = CompiledPass(Target(model), buckets=(4,), length=128, tune=False)
+    prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
+    result = Decoder(model, tokenizer, random_heads(model, num_heads=3), SMALL, compiled=compiled).generate(
+        PROMPT, max_new_tokens=60
+    )
+    assert result.token_ids == reference(model, prompt, 60)
+
+
+def test_a_pass_that_does_not_compile_leaves_eager_steps_with_one_line(model, monkeypatch, capsys):
+    def fail(self):
+        raise RuntimeError("no C++ compiler found\nmore detail")
+
+    monkeypatch.setattr(compiled_module.CompiledPass, "warm_up", fail)
+    assert compile_pass(model, True) is None
+    error = capsys.readouterr().err
+    assert "could not compile llama's verification pass (RuntimeError: no C++ compiler found)" in error
+    assert "decoding steps run eagerly" in error and "more detail" not in error
+    monkeypatch.setenv("MTP_COMPILE", "0")
+    assert compile_pass(model) is None  # the environment's default, as the tests run
+
+
+def test_buckets_are_checked():
+    with pytest.raises(ValueError, match=r"buckets=\(4, 1\): give node counts from 1 up, ascending"):
+        CompiledPass(Target(tiny_model()), buckets=(4, 1))
