@@ -112,11 +112,12 @@ def test_every_gpu_recipe_instantiates_and_runs_a_step_with_the_tiny_model_swapp
 
 
 def test_the_gpu_check_runs_in_its_cpu_mode(tmp_path):
-    """scripts/gpu_check.sh with MTP_DEVICE=cpu: the same four steps as on a GPU, smaller, so it cannot rot."""
+    """scripts/gpu_check.sh with MTP_DEVICE=cpu: the same five steps as on a GPU, smaller, so it cannot rot."""
     env = os.environ | {"MTP_DEVICE": "cpu", "OUT": str(tmp_path), "MTP_CACHE": str(tmp_path / "cache")}
     done = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "A step's cost against the fastest plain step" in done.stdout and "| overall | 1 |" in done.stdout
     assert "Memory per device (estimate)" in done.stdout and "measured / estimate" in done.stdout
+    assert "| nodes | eager ms | compiled ms |" in done.stdout and "\n| 4 | " in done.stdout
     assert json.loads((tmp_path / "bench.json").read_text())["summary"]["overall"]["mismatches"] == 0
     assert (tmp_path / "tiny" / "lightning_logs" / "version_0" / "heads" / "config.json").is_file()
