@@ -71,7 +71,8 @@ class CompiledPass:
         if target.device.type == "cuda":  # replayed as a CUDA graph: one launch per pass
             self.settings["triton.cudagraphs"] = True
         else:
-            self.settings |= {"max_autotune": tune, "max_autotune_gemm_backends": "CPP,ATEN"}
+            self.settings |= {"max_autotune": tune, "max_autotune_gemm_backends": "CPP,ATEN",
+                              "autotune_num_choices_displayed": 0}  # no table per product on stderr
         self._forward = _Pass(target, self.cache, layers)
         self._compiled = torch.compile(self._forward, dynamic=False)
 
