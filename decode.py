@@ -76,7 +76,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--no-compile", dest="compile", action="store_false", default=None,
-                        help="eager verification passes: no compiling at load (see mtp.decoding.compiled)")
+                        help="eager verification passes: no compiling at load (see mtp.decoding.compiled; "
+                        "--batch-size above 1 never compiles)")
     args = parser.parse_args()
     interactive = args.prompt is None and args.prompts_file is None
     if args.batch_size < 1 or (args.batch_size > 1 and (args.stream or interactive)):
@@ -84,6 +85,8 @@ def main() -> None:
                          "without --stream.")  # fmt: skip
     dtype = getattr(torch, args.dtype)
     sampling = sampling_from(args)
+    if args.batch_size > 1:  # batches of several prompts run eager passes: nothing to compile for
+        args.compile = False
     if args.drafter is None and args.base_model is None:
         args.drafter = str(SHIPPED_HEADS)
     if args.drafter:

@@ -8,6 +8,7 @@ milliseconds of each and their ratios to the eager and the compiled one-node pas
 import argparse
 import statistics
 import time
+from functools import partial
 
 import torch
 from transformers import DynamicCache
@@ -74,8 +75,8 @@ def main() -> None:
     rows = []
     for nodes in args.nodes:
         eager(nodes), compiled_pass(nodes)  # warm-up
-        rows.append((nodes, median_ms(lambda: eager(nodes), model.device, args.repeats),
-                     median_ms(lambda: compiled_pass(nodes), model.device, args.repeats)))  # fmt: skip
+        rows.append((nodes, median_ms(partial(eager, nodes), model.device, args.repeats),
+                     median_ms(partial(compiled_pass, nodes), model.device, args.repeats)))  # fmt: skip
     print(f"{device_name(model.device)}, {args.dtype}, {args.context} tokens of context, {compiled.length} slots; "
           f"compiling {len(args.nodes)} node counts {'with' if args.tune else 'without'} autotuning took "
           f"{compile_seconds:.0f} s")  # fmt: skip

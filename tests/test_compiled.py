@@ -5,6 +5,7 @@ that does not compile). Compiled without autotuning (tune=False), which changes 
 
 import pytest
 import torch
+from conftest import PROMPT, SLIDING, TINY_BASE, TREE, OracleHeads, random_heads, reference, tiny_model
 from torch._dynamo.utils import counters
 from transformers import DynamicCache
 
@@ -15,8 +16,6 @@ from mtp.decoding.compiled import CompiledPass, compile_pass
 from mtp.decoding.decoder import Decoder
 from mtp.decoding.target import Target
 from mtp.decoding.tree import Tree
-
-from conftest import PROMPT, SLIDING, TINY_BASE, TREE, OracleHeads, random_heads, reference, tiny_model
 
 SMALL = Tree.from_paths([(0,), (1,), (0, 0)])  # 4 nodes: bucket 4; TREE (10 nodes) is past the largest bucket
 

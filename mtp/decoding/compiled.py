@@ -27,9 +27,9 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
 from torch._inductor import config as inductor
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+from transformers import DynamicCache
 from transformers.cache_utils import Cache, StaticLayer
 
 from mtp.decoding.cache import grouped_keys, tree_attention_mask

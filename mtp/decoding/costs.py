@@ -40,7 +40,8 @@ def timed(call, device: torch.device) -> float:
 
 
 def measure_steps(model, tokenizer, heads: Drafter, paths: list[Path], context: int = CONTEXT, steps: int = 6,
-                  batch: int = 1, bound: float | None = None, compiled: CompiledPass | None = None) -> list[float]:  # fmt: skip
+                  batch: int = 1, bound: float | None = None,
+                  compiled: CompiledPass | None = None) -> list[float]:  # fmt: skip
     """Seconds per decoding step of `batch` rows for each of `timed_sizes` in turn, after prompts of `context`
     random tokens: the median of `steps` steps after a warm-up one, timed again (RETAKES) while they spread more
     than SPREAD. Size 1 is the fastest plain step: without the drafter, with the products mtp chose

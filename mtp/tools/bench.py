@@ -226,7 +226,7 @@ def main() -> None:
     if args.seed is not None:
         torch.manual_seed(args.seed)  # plain generate and prompt lookup sample with torch's global generator
     decoder = mtp.load(args.drafter, args.device, getattr(torch, args.dtype), tree=args.tree, lookup=lookup_from(args),
-                       compile=args.compile)  # fmt: skip
+                       compile=False if args.batch_size else args.compile)  # batches run eager passes  # fmt: skip
     alone = decoder.lookup and not args.batch_size  # mtp with its heads alone, beside mtp with its lookup
     heads_alone = alone and Decoder(decoder.base_model, decoder.tokenizer, decoder.drafter, decoder.tree,
                                     compiled=decoder.compiled)  # fmt: skip
