@@ -44,7 +44,8 @@ def main() -> None:
     args = parser.parse_args()
     model, _ = load_base(args.base_model, args.device, getattr(torch, args.dtype))
     target = Target(model)
-    prompt = torch.randint(1000, (1, args.context), generator=torch.Generator().manual_seed(0)).to(model.device)
+    vocab = target.embed.num_embeddings
+    prompt = torch.randint(vocab, (1, args.context), generator=torch.Generator().manual_seed(0)).to(model.device)
     prefill = DynamicCache()
     target.run(False, input_ids=prompt, cache=prefill)
     slots = torch.arange(args.context, device=model.device)[None]  # (1, T)
@@ -54,7 +55,7 @@ def main() -> None:
     compile_seconds = time.perf_counter() - start
 
     def inputs(nodes: int):  # a chain of `nodes` tokens: (1, n) tokens and positions, (1, n, n) mask
-        tokens = torch.randint(1000, (1, nodes), device=model.device)
+        tokens = torch.randint(vocab, (1, nodes), device=model.device)
         positions = args.context + torch.arange(nodes, device=model.device)[None]
         return tokens, positions, torch.ones(1, nodes, nodes, dtype=torch.bool, device=model.device).tril()
 

@@ -71,9 +71,9 @@ class Target:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The base model's next-token logits (..., V) from its last hidden states (..., H)."""
-        return self._finished(self.lm_head(hidden), self.scale, self.divide)
+        return self.finished(self.lm_head(hidden), self.scale, self.divide)
 
-    def _finished(self, logits: torch.Tensor, scale: float, divide: bool) -> torch.Tensor:
+    def finished(self, logits: torch.Tensor, scale: float, divide: bool) -> torch.Tensor:
         """lm_head's output `logits` scaled (divided by `scale` if `divide`), then soft-capped as the model does."""
         if scale != 1.0:
             logits = logits / scale if divide else logits * scale
@@ -90,7 +90,7 @@ class Target:
             theirs = base_model(input_ids=probe, use_cache=False).logits.float()
             raw = self.lm_head(self.backbone(input_ids=probe, use_cache=False).last_hidden_state)
         for scale, divide in [(1.0, False)] + [(v, divide) for v in values for divide in (False, True)]:
-            if (self._finished(raw, scale, divide).float() - theirs).norm() <= 1e-3 * theirs.norm():
+            if (self.finished(raw, scale, divide).float() - theirs).norm() <= 1e-3 * theirs.norm():
                 return scale, divide
         found = ", ".join(f"{name}={getattr(text, name)}" for name in SCALES if hasattr(text, name)) or "no scale"
         raise ValueError(
