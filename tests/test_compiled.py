@@ -3,6 +3,8 @@ cache after acceptance a causal run's, no compiling while decoding, greedy outpu
 batches, and the ways back to eager steps (the cache's end, a second row, a tree past the largest bucket, a model
 that does not compile). Compiled without autotuning (tune=False), which changes kernels, not what they compute."""
 
+from itertools import zip_longest
+
 import pytest
 import torch
 from conftest import PROMPT, SLIDING, TINY_BASE, TREE, OracleHeads, random_heads, reference, tiny_model
@@ -13,7 +15,7 @@ import mtp.decoding.compiled as compiled_module
 from mtp.base import load_tokenizer
 from mtp.decoding.cache import tree_attention_mask
 from mtp.decoding.compiled import CompiledPass, compile_pass
-from mtp.decoding.decoder import Decoder
+from mtp.decoding.decoder import Decoder, GenerationResult
 from mtp.decoding.target import Target
 from mtp.decoding.tree import Tree
 
@@ -123,6 +125,18 @@ def test_batches_and_requests_past_the_cache_move_to_eager_steps_and_stay_exact(
         settled += tokens
     assert static[0] and not static[-1] and static == sorted(static, reverse=True)  # static, then eager for good
     assert settled[:300] == reference(model, prompt, 300)
+
+
+def test_two_interleaved_streams_of_one_decoder_do_not_share_the_static_cache(model, compiled, tokenizer):
+    """The first stream decodes on the static cache; the second, started while the first runs, decodes eagerly;
+    both answers are their prompts' own greedy output."""
+    decoder = Decoder(model, tokenizer, random_heads(model, num_heads=3), SMALL, compiled=compiled)
+    prompts, results = [PROMPT, "The quick brown fox jumps over the lazy dog"], [GenerationResult(), GenerationResult()]
+    streams = [decoder.stream(prompt, 40, result=result) for prompt, result in zip(prompts, results, strict=True)]
+    for _ in zip_longest(*streams):
+        pass
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.token_ids == reference(model, tokenizer(prompt, return_tensors="pt").input_ids, 40)
 
 
 def test_a_sliding_window_model_keeps_its_window_when_compiled(tokenizer):

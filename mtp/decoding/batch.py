@@ -80,7 +80,7 @@ class Batch:
                 self.cache = self.compiled.unload(self.slots.shape[1])
             self.slots = append_rows(self.cache, self.slots, cache, slots)
         elif self.compiled is not None and (self.compiled.layers or not self.layers) and \
-                self.compiled.holds(input_ids.shape[1], 1):  # fmt: skip
+                self.compiled.holds(input_ids.shape[1], 1) and self.compiled.claim(self):  # fmt: skip
             self.cache, self.slots = self.compiled.load(cache), slots
         else:
             self.cache, self.slots = cache, slots

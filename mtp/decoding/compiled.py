@@ -3,9 +3,9 @@ cache, so that a pass over a tree costs about what the machine charges for strea
 eager kernels and per-operation overhead charge.
 
 Eager PyTorch pays per operation and multiplies a few rows by each weight matrix with kernels made for many; an
-eager pass over 4 nodes of SmolLM2-135M cost 1.5 to 1.65 one-token passes on our 2-core CPUs. `torch.compile` (inductor) fuses the small
-operations and, on a CPU, with the weights frozen as constants, packs each weight once for the GEMM kernel it
-autotuned; on a GPU it replays the pass as a CUDA graph. Both need fixed shapes, so the pass runs for a few node
+eager pass over 4 nodes of SmolLM2-135M cost 1.5 to 1.65 one-token passes on our 2-core CPUs. `torch.compile`
+(inductor) fuses the small operations and, on a CPU, with the weights frozen as constants, packs each weight once
+for the GEMM kernel it autotuned; on a GPU it replays the pass as a CUDA graph. Both need fixed shapes, so the pass runs for a few node
 counts (`BUCKETS`: a tree is padded up to the next one with nodes that only see themselves) over a cache of
 `LENGTH` slots allocated once (transformers' static cache layers): a pass writes its nodes after the filled slots,
 `mtp.decoding.cache.keep_accepted` copies the accepted ones into place and the rest are overwritten by the next
@@ -23,6 +23,7 @@ choices are kept under mtp's cache folder and reused by later processes.
 import os
 import sys
 import time
+import weakref
 from functools import partial
 
 import torch
@@ -73,8 +74,18 @@ class CompiledPass:
         else:
             self.settings |= {"max_autotune": tune, "max_autotune_gemm_backends": "CPP,ATEN",
                               "autotune_num_choices_displayed": 0}  # no table per product on stderr
+        self._holder = None  # a weak reference to the batch decoding on the static cache
         self._forward = _Pass(target, self.cache, layers)
         self._compiled = torch.compile(self._forward, dynamic=False)
+
+    def claim(self, batch) -> bool:
+        """Give the static cache to `batch`, unless another batch still decodes on it (two streams of one decoder
+        interleaved: the second decodes eagerly)."""
+        holder = self._holder and self._holder()
+        if holder is not None and holder is not batch and holder.static:
+            return False
+        self._holder = weakref.ref(batch)
+        return True
 
     def holds(self, filled: int, queries: int) -> bool:
         """Whether the static cache has room for a pass over `queries` nodes after `filled` slots."""
