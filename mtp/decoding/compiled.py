@@ -9,7 +9,8 @@ for the GEMM kernel it autotuned; on a GPU it replays the pass as a CUDA graph. 
 pass runs for a few node counts (`BUCKETS`: a tree is padded up to the next one with nodes that only see
 themselves) over a cache of `LENGTH` slots allocated once (transformers' static cache layers): a pass writes its
 nodes after the filled slots, `mtp.decoding.cache.keep_accepted` copies the accepted ones into place and the rest
-are overwritten by the next pass. Nothing is compiled while decoding: every bucket is compiled when the decoder is made (`warm_up`).
+are overwritten by the next pass. Nothing is compiled while decoding: every bucket is compiled when the decoder is
+made (`warm_up`).
 
 One row at a time: when a second row joins a batch, or a pass would run past the cache's end, the cache moves into
 a dynamic one and passes run eagerly from there on (`mtp.decoding.batch`); a pass over more nodes than the largest
