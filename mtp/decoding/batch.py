@@ -79,8 +79,7 @@ class Batch:
             if self.static:  # a second row: eager passes over a dynamic cache from here on
                 self.cache = self.compiled.unload(self.slots.shape[1])
             self.slots = append_rows(self.cache, self.slots, cache, slots)
-        elif self.compiled is not None and (self.compiled.layers or not self.layers) and \
-                self.compiled.holds(input_ids.shape[1], 1) and self.compiled.claim(self):  # fmt: skip
+        elif self.compiled is not None and self.compiled.claim(self, input_ids.shape[1]):
             self.cache, self.slots = self.compiled.load(cache), slots
         else:
             self.cache, self.slots = cache, slots

@@ -79,11 +79,13 @@ class CompiledPass:
         self._forward = _Pass(target, self.cache, layers)
         self._compiled = torch.compile(self._forward, dynamic=False)
 
-    def claim(self, batch) -> bool:
-        """Give the static cache to `batch`, unless another batch still decodes on it (two streams of one decoder
-        interleaved: the second decodes eagerly)."""
+    def claim(self, batch, filled: int) -> bool:
+        """Give the static cache to the lone row of `batch` (`mtp.decoding.batch.Batch`), `filled` slots long, unless
+        its drafters read hidden states this pass does not give, it does not fit, or another batch still decodes on
+        the cache (two streams of one decoder interleaved: the second decodes eagerly)."""
         holder = self._holder and self._holder()
-        if holder is not None and holder is not batch and holder.static:
+        taken = holder is not None and holder is not batch and holder.static
+        if taken or (batch.layers and not self.layers) or not self.holds(filled, 1):
             return False
         self._holder = weakref.ref(batch)
         return True
@@ -120,11 +122,11 @@ class CompiledPass:
         (1, Q, Q), after the filled slots `slots` (1, T) of the static cache: their states (every layer's if
         `layers`) and logits. Compiled, the pass is padded to its bucket; over more nodes than the largest bucket,
         it runs eagerly. The cache then holds T + the pass's nodes (padding included) slots."""
-        queries, filled = tokens.shape[1], slots.shape[1]
-        size = self.bucket(queries) or queries
+        queries, filled, bucket = tokens.shape[1], slots.shape[1], self.bucket(tokens.shape[1])
+        size = bucket or queries
         pad = size - queries
-        tokens = F.pad(tokens, (0, pad))  # (1, S) padded nodes: token 0 at the root's position, seeing only itself
-        positions = F.pad(positions, (0, pad), value=int(positions[0, 0]))
+        tokens = F.pad(tokens, (0, pad))  # (1, S) padded nodes: token 0 at position 0, seeing only itself
+        positions = F.pad(positions, (0, pad))
         tree_mask = F.pad(tree_mask, (0, pad, 0, pad)) | torch.eye(size, dtype=torch.bool, device=tokens.device)
         mask = tree_attention_mask(tree_mask, positions, slots, self.target.windows, self.target.dtype)
         if mask is None:  # one node after filled slots, no window: eagerly the model's own path, here a mask
@@ -134,7 +136,7 @@ class CompiledPass:
             mask = {kind: F.pad(m, rest, value=blocked) for kind, m in mask.items()}
         else:
             mask = F.pad(mask, rest, value=blocked)
-        forward = self._compiled if self.bucket(queries) else self._forward
+        forward = self._compiled if bucket else self._forward
         backbone, lm_head = self.target.backbone, self.target.lm_head  # traced with the usual products, which it packs
         with grouped_keys(self.target.device.type == "cpu"), usual_linears(backbone), usual_linears(lm_head), \
                 inductor.patch(self.settings):  # fmt: skip
@@ -147,7 +149,7 @@ class CompiledPass:
     @torch.no_grad()
     def warm_up(self) -> None:
         """Compile every bucket now, on a cache of a few dummy tokens, saying in one line what it took."""
-        start, took = time.perf_counter(), []
+        start = time.perf_counter()
         context = 8
         prefill = DynamicCache()
         self.target.run(False, input_ids=torch.zeros(1, context, dtype=torch.long, device=self.target.device),
@@ -162,8 +164,7 @@ class CompiledPass:
             nodes = torch.zeros(1, size, dtype=torch.long, device=self.target.device)
             self.run(nodes, context + torch.arange(size, device=nodes.device)[None],
                      torch.ones(1, size, size, dtype=torch.bool, device=nodes.device).tril(), slots)  # fmt: skip
-            took.append(time.perf_counter() - step)
-            print(f" {size}: {took[-1]:.0f} s", end="", file=sys.stderr, flush=True)
+            print(f" {size}: {time.perf_counter() - step:.0f} s", end="", file=sys.stderr, flush=True)
         print(f"; {time.perf_counter() - start:.0f} s in all", file=sys.stderr)
 
 
