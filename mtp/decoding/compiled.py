@@ -39,7 +39,8 @@ from mtp.decoding.target import States, Target
 from mtp.linears import usual_linears
 from mtp.machine import cache_dir
 
-BUCKETS = (1, 4, 16)  # node counts compiled: a tree is padded up to the next one (each costs 1-2 min to compile here)
+BUCKETS = (1, 4, 8)  # node counts compiled, a tree padded up to the next (each 1 min to compile on 2 cores; 16 nodes
+# compiled ran no faster than eagerly on the Zen 4 EPYC: docs/reference-runs.md#compiled-passes)
 LENGTH = 1024  # cache slots: prompt, answer and one pass's nodes must fit
 INDUCTOR_DIR = "TORCHINDUCTOR_CACHE_DIR"
 
