@@ -50,14 +50,16 @@ def prefilled(model, prompt: torch.Tensor) -> DynamicCache:
 @pytest.mark.parametrize("tree", [Tree.from_paths([]), Tree.from_paths([(0,), (1,)]), SMALL, TREE])
 def test_compiled_logits_equal_the_eager_passes_in_every_bucket(model, compiled, tokenizer, tree):
     """1 node (bucket 1), 3 nodes padded to 4, 4 nodes, and 10 nodes (past the largest bucket: eager, over the
-    static cache): every node's logits and hidden states those of the eager pass over a dynamic cache."""
+    static cache): every node's logits and hidden states those of the eager pass over a dynamic cache. The slots
+    after the pass hold NaN: a pass that read them (attention over every slot, masked) would give NaN."""
     prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
     tokens = torch.randint(0, 512, (1, tree.size), generator=torch.Generator().manual_seed(tree.size))
     positions = (prompt.shape[1] + tree.depths)[None]  # (1, Q)
     slots = torch.arange(prompt.shape[1])[None]
     target = compiled.target
     with torch.no_grad():
-        compiled.load(prefilled(model, prompt))
+        for layer in compiled.load(prefilled(model, prompt)).layers:
+            layer.keys[:, :, prompt.shape[1] :], layer.values[:, :, prompt.shape[1] :] = torch.nan, torch.nan
         ours = compiled.run(tokens, positions, tree.mask[None], slots, layers=True)
         cache = prefilled(model, prompt)
         mask = tree_attention_mask(tree.mask[None], positions, slots, target.windows, target.dtype)
@@ -149,6 +151,18 @@ def test_a_sliding_window_model_keeps_its_window_when_compiled(tokenizer):
         PROMPT, max_new_tokens=60
     )
     assert result.token_ids == reference(model, prompt, 60)
+
+
+def test_two_models_compiled_in_one_process_decode_each_on_its_own_weights_and_cache(model, compiled, tokenizer):
+    """A second tiny Llama, other weights, compiled with the same shapes as the module's: each decoder's greedy
+    output is its own model's (a pass that found the other's graph would run its frozen weights over its cache)."""
+    other = tiny_model(seed=1)
+    second = CompiledPass(Target(other), layers=True, buckets=(1, 4), length=256, tune=False)
+    second.warm_up()
+    prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
+    for each, its_pass in [(other, second), (model, compiled), (other, second)]:
+        decoder = Decoder(each, tokenizer, random_heads(each, num_heads=3), SMALL, compiled=its_pass)
+        assert decoder.generate(PROMPT, max_new_tokens=20).token_ids == reference(each, prompt, 20)
 
 
 def test_a_pass_that_does_not_compile_leaves_eager_steps_with_one_line(model, monkeypatch, capsys):

@@ -17,8 +17,9 @@ a dynamic one and passes run eagerly from there on (`mtp.decoding.batch`); a pas
 bucket runs eagerly over the static cache. The compiled pass computes the same function as the eager one: float32
 logits agree to rounding (tests/test_compiled.py), so greedy output is plain greedy output.
 
-Compiling is per process (frozen weights live in the compiled code); the generated kernels and the autotuned
-choices are kept under mtp's cache folder and reused by later processes.
+Compiling is per process (frozen weights live in the compiled code, which inductor cannot save with the weights
+packed for MKL); the generated kernels and the autotuned choices are kept under mtp's cache folder, which makes a
+later process compile faster. Each pass made in a process has graphs of its own.
 """
 
 import os
@@ -67,7 +68,7 @@ class CompiledPass:
         self.cache = _SeenCache(layers=[StaticLayer(self.length) for _ in range(target.num_layers)])
         if os.environ.get(INDUCTOR_DIR, default_cache_dir()) == default_cache_dir():  # unless the user chose one
             os.environ[INDUCTOR_DIR] = str(cache_dir() / "inductor")  # kernels and autotuning kept beside mtp's
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(buckets) + 2)
+        torch._dynamo.config.recompile_limit += 2 * len(buckets) + 2  # graphs of every pass made in the process
         # inductor's settings for tracing and compiling, set around each call: `torch.compile(options=...)` would
         # not freeze the weights (the tracer reads `freezing` from the global config)
         self.settings = {"freezing": True}
@@ -78,10 +79,10 @@ class CompiledPass:
                               "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
             # (no table nor line per product on stderr)
         self._holder = None  # a weak reference to the batch decoding on the static cache
-        self._forward = _Pass(target, self.cache, layers)
-        # guards on the inputs only: checking every module attribute before each pass cost 1.2 ms of a 23 ms one
-        self._compiled = torch.compile(self._forward, dynamic=False,
-                                       options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+        # a class of its own: the one guard kept on the module is its type, which finds this pass's graphs (its
+        # frozen weights, its cache), not those of another pass compiled in the process
+        self._forward = type("_Pass", (_Pass,), {})(target, self.cache, layers)
+        self._compiled = torch.compile(self._forward, dynamic=False, options={"guard_filter_fn": _guards})
 
     def claim(self, batch, filled: int) -> bool:
         """Give the static cache to the lone row of `batch` (`mtp.decoding.batch.Batch`), `filled` slots long, unless
@@ -170,6 +171,14 @@ class CompiledPass:
                      torch.ones(1, size, size, dtype=torch.bool, device=nodes.device).tril(), slots)  # fmt: skip
             print(f" {size}: {time.perf_counter() - step:.0f} s", end="", file=sys.stderr, flush=True)
         print(f"; {time.perf_counter() - start:.0f} s in all", file=sys.stderr)
+
+
+def _guards(entries) -> list[bool]:
+    """The compiled pass's guards: on its inputs and the module's type only. Checking every attribute of the model
+    before each pass cost 1.2 ms of a 23 ms one (SmolLM2, the 2-core Zen 4 EPYC)."""
+    keep = torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)
+    own_type = [(entry.name, entry.guard_type) == ("self", "TYPE_MATCH") for entry in entries]
+    return [kept or own for kept, own in zip(keep, own_type, strict=True)]
 
 
 class _SeenCache(Cache):
