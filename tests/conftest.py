@@ -5,6 +5,7 @@ os.environ["MTP_COMPILE"] = "0"  # mtp.load and the command lines decode eagerly
 
 import itertools  # noqa: E402
 import math  # noqa: E402
+import signal  # noqa: E402
 import types  # noqa: E402
 from collections import Counter  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -27,6 +28,17 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY_BASE = str(ROOT / "configs" / "models" / "tiny-llama" / "config.json")
 TINY_CHAT = str(ROOT / "data" / "tiny_chat.jsonl")
 DATA = ROOT / "data"
+
+
+class Killed(L.Callback):
+    """Kills its process (SIGKILL: no exception, nothing cleaned up or saved) as training step `step` starts."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, *args):
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 @pytest.fixture(scope="session")

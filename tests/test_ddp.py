@@ -17,6 +17,7 @@ SCRIPT = """
 import sys
 
 import lightning as L
+import torch
 
 from mtp.training.data import DrafterDataModule
 from mtp.training.module import DrafterModule
@@ -32,6 +33,8 @@ trainer = L.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if device
                     accumulate_grad_batches=3 - devices, limit_val_batches=0, logger=False, enable_checkpointing=False,
                     enable_progress_bar=False, enable_model_summary=False, default_root_dir=out)
 trainer.fit(module, DrafterDataModule(chat, base, batch_size=2, val_fraction=0))
+if torch.distributed.is_initialized():  # as train.py: left to the interpreter's exit, gloo's threads could abort it
+    torch.distributed.destroy_process_group()
 """
 
 

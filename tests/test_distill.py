@@ -53,9 +53,25 @@ def test_a_torn_last_line_is_cut_off_and_answered_again(prompts, tmp_path):
     part = out / "rank-00000" / "part-00000.jsonl"
     complete = part.read_text()
     part.write_text(complete.splitlines(keepends=True)[0] + complete.splitlines()[1][:20])  # crash mid-write
-    assert read_done(out, part.parent) == {json.loads(complete.splitlines()[0])["index"]}
+    assert read_done(out, part.parent, 1) == {json.loads(complete.splitlines()[0])["index"]}
     run_distill(Distill(**settings), TINY_BASE, out)
     assert sorted(row["index"] for row in lines(out)) == [0, 1]
+
+
+def test_a_torn_line_in_the_shard_of_a_rank_that_no_longer_runs_is_cut_off_and_answered_again(prompts, tmp_path):
+    """Two processes answered, the second crashed mid-write; a rerun on one process answers the torn prompt again
+    and training then reads every shard, each prompt once (without the cut: "not valid JSON")."""
+    out = tmp_path / "answers"
+    settings = dict(prompts=prompts, max_new_tokens=5, max_prompt_tokens=60, batch_size=2, limit=4)
+    for rank in range(2):
+        run_distill(Distill(**settings), TINY_BASE, out, rank=rank, world_size=2)
+    part = out / "rank-00001" / "part-00000.jsonl"
+    complete = part.read_text().splitlines(keepends=True)
+    part.write_text(complete[0] + complete[1][:20])  # the second process's crash mid-write
+    assert json.loads(complete[1])["index"] not in read_done(out, out / "rank-00000", 2)
+    assert part.read_text() == complete[0] + complete[1][:20]  # rank 1 still runs: its part is not cut
+    run_distill(Distill(**settings), TINY_BASE, out)
+    assert sorted(row["index"] for row in lines(out)) == [0, 1, 3, 4]
 
 
 def test_full_parts_are_compressed_and_a_resumed_run_reads_and_extends_them(prompts, tmp_path):

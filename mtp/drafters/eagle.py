@@ -221,13 +221,13 @@ class Eagle(Drafter, kind="eagle"):
 
     def set_draft_vocab(self, ids: list[int], base_model: PreTrainedModel) -> None:
         """Draft among `ids` (kept in id order, as EAGLE-3's d2t has them); an own lm_head restarts as the base's
-        rows of them."""
+        rows of them, in the drafter's dtype (float32 in training, whatever the base computes in)."""
         self.config.draft_vocab = sorted(ids)
         draft = torch.tensor(self.config.draft_vocab, device=self.d2t.device)
         self.d2t = draft - torch.arange(len(draft), device=draft.device)
         self.t2d = torch.zeros_like(self.t2d).index_fill_(0, draft, True)
         if self.lm_head is not None:
-            weight = base_model.get_output_embeddings().weight[draft].detach().clone()
+            weight = base_model.get_output_embeddings().weight[draft].detach().to(self.lm_head.weight.dtype)
             self.lm_head = nn.Linear(*weight.shape[::-1], bias=False, device=weight.device, dtype=weight.dtype)
             self.lm_head.weight.data.copy_(weight)
 

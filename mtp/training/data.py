@@ -2,9 +2,11 @@
 
 import json
 import random
+import secrets
 import warnings
 from collections import Counter
 from functools import partial
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -96,6 +98,33 @@ class EpochOrder(DistributedSampler):
         return iter(order[self.skip :] if self.epoch == self.start else order)
 
 
+def require_shared(trainer: L.Trainer, folders: list[str | Path]) -> None:
+    """Stop every process of a run, before any work, unless each sees what process 0 writes in every one of
+    `folders`: on disks local to each node, a node would train on its own shards of the distilled answers or the
+    features only, or resume from a checkpoint the others do not see."""
+    if trainer.world_size == 1 or not folders:
+        return
+    token = trainer.strategy.broadcast(secrets.token_hex(8))
+    marks = [Path(folder) / f".shared-{token}" for folder in folders]
+    if trainer.global_rank == 0:
+        for mark in marks:
+            mark.parent.mkdir(parents=True, exist_ok=True)
+            mark.touch()
+    trainer.strategy.barrier("shared folders marked")
+    unseen = [str(mark.parent) for mark in marks if not mark.is_file()]
+    everywhere = trainer.strategy.reduce_boolean_decision(not unseen, all=True)
+    if trainer.global_rank == 0:
+        for mark in marks:
+            mark.unlink()
+    if not everywhere:
+        who = f"process {trainer.global_rank} does not see {unseen}" if unseen else "a process on another node does not"
+        raise ValueError(
+            f"The run's folders {[str(folder) for folder in folders]} are not shared by its {trainer.num_nodes} nodes: "
+            f"{who} as process 0 wrote it. Every node writes and reads them: put them on a filesystem every node "
+            f"mounts, or train on one node."
+        )
+
+
 class DrafterDataModule(L.LightningDataModule):
     def __init__(
         self,
@@ -139,8 +168,13 @@ class DrafterDataModule(L.LightningDataModule):
     def setup(self, stage: str) -> None:
         if self.train_batches is not None:
             return
+        trainer = self.trainer
+        if trainer:  # what every node writes and every node reads: distilled answers, features, checkpoints
+            features = trainer.lightning_module.hparams.get("features")
+            checkpoints = [callback.dirpath for callback in trainer.checkpoint_callbacks if callback.dirpath]
+            require_shared(trainer, [*([self.data] if self.distill else []), *([features] if features else []),
+                                     *checkpoints])  # fmt: skip
         if self.distill is not None:  # every process answers its share on its own device, then all read every shard
-            trainer = self.trainer
             rank, world_size = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
             device = trainer.strategy.root_device if trainer else torch.device("cpu")
             run_distill(self.distill, self.base_model, self.data, rank, world_size, device,

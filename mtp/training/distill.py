@@ -71,10 +71,13 @@ def pack(part: Path) -> None:
     part.unlink()
 
 
-def read_done(folder: Path, shard: Path) -> set[int]:
-    """Indices of prompts already answered in the parts under `folder`, every shard's. A torn last line of the
-    open part of `shard` (this process's, from a crash) is cut off; one in another shard's open part (being
-    written now by another process, or left by an older run) ends the reading of that part."""
+def read_done(folder: Path, shard: Path, world_size: int) -> set[int]:
+    """Indices of prompts already answered in the parts under `folder`, every shard's, for the process of `shard`
+    among `world_size`. A torn last line (a crash mid-write) is cut off where no other process of this run writes:
+    in this process's shard and in those of ranks from `world_size` up (an earlier run on more processes), so that
+    training reads every shard whole; in the open part of another running process (being written now) it only
+    ends the reading of that part. A cut answer is not done: it is answered again."""
+    writing = {folder / f"rank-{rank:05d}" for rank in range(world_size)} - {shard}
     done = {row["index"] for part in sorted(folder.rglob("part-*.jsonl.gz")) for row in read_rows(str(part))}
     for part in sorted(folder.rglob("part-*.jsonl")):
         good_bytes = 0
@@ -85,7 +88,7 @@ def read_done(folder: Path, shard: Path) -> set[int]:
                 except (json.JSONDecodeError, KeyError, UnicodeDecodeError):
                     break
                 good_bytes += len(line)
-        if part.parent == shard and good_bytes < part.stat().st_size:
+        if part.parent not in writing and good_bytes < part.stat().st_size:
             os.truncate(part, good_bytes)
     return done
 
@@ -112,7 +115,7 @@ def run_distill(distill: Distill, base_model: str, out: str | Path, rank: int = 
                 prompts[index] = (users[0], ids)
     ordered = sorted(list(prompts)[: distill.limit], key=lambda i: (len(prompts[i][1]), i))  # similar lengths meet
     shard = out / f"rank-{rank:05d}"
-    done = read_done(out, shard)
+    done = read_done(out, shard, world_size)
     todo = [i for i in ordered[rank::world_size] if i not in done]
     if not todo:
         return
