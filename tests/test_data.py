@@ -6,6 +6,7 @@ import torch
 
 from mtp.base import load_tokenizer
 from mtp.training.data import DrafterDataModule, bucket, collate, encode
+from mtp.training.distill import Distill
 from mtp.training.rows import read_rows, to_example
 from tests.conftest import TINY_BASE, TINY_CHAT
 
@@ -190,3 +191,15 @@ def test_a_json_lines_value_with_unicode_line_separators_is_one_row(tmp_path):
     rows = [{"text": "one\u2028two\x1cthree"}, {"text": "four"}]
     path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
     assert read_rows(str(path)) == rows
+
+
+def test_datasets_ids_are_downloaded_in_prepare_data_and_nothing_else(tmp_path, monkeypatch):
+    """Lightning runs `prepare_data` on one process of each node before any `setup`: there the hub ids (prompts to
+    distill, data, validation data) are fetched; local files and the answers' folder are left to `setup`."""
+    fetched = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda source, split: fetched.append((source, split)) or [])
+    DrafterDataModule("org/chats", TINY_BASE, val_data="org/greedy", split="test").prepare_data()
+    monkeypatch.chdir(tmp_path)  # "runs/answers", not written yet, reads as an id but is where answers go
+    DrafterDataModule("runs/answers", TINY_BASE, distill=Distill(prompts="org/prompts")).prepare_data()
+    DrafterDataModule(TINY_CHAT, TINY_BASE, val_data=TINY_CHAT).prepare_data()
+    assert fetched == [("org/chats", "test"), ("org/greedy", "test"), ("org/prompts", "train")]

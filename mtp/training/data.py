@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from mtp.base import DEFAULT_BASE, compute_dtype, load_tokenizer
 from mtp.training.distill import Distill, run_distill
-from mtp.training.rows import FORMATS, read_rows, to_example
+from mtp.training.rows import FORMATS, hub_id, read_rows, to_example
 
 
 def encode(tokenizer: PreTrainedTokenizerBase, example: list[dict] | str, max_length: int):
@@ -164,6 +164,14 @@ class DrafterDataModule(L.LightningDataModule):
         self.val_data = val_data
         self.train_batches = self.val_batches = None
         self.resume = {}  # from a checkpoint: its epoch, how many of its batches had trained, on how many processes
+
+    def prepare_data(self) -> None:
+        """Download the `datasets` ids among the prompts and the data once per node: Lightning runs this on one
+        process of each node before `setup`, where every process then reads the local copy."""
+        sources = [(self.distill.prompts, "train")] if self.distill else [(self.data, self.split)]  # else: answers
+        for source, split in [*sources, (self.val_data, self.split)]:
+            if source is not None and hub_id(source):
+                read_rows(source, split)
 
     def setup(self, stage: str) -> None:
         if self.train_batches is not None:

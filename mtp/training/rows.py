@@ -52,9 +52,16 @@ def read_rows(source: str, split: str = "train") -> list[dict]:
             loaded = datasets.load_from_disk(str(path))
             return list(loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded)
         return list(datasets.load_dataset(str(path), split=split))
-    if source.startswith((".", "/", "~")) or source.count("/") > 1:
+    if not hub_id(source):
         raise FileNotFoundError(f"Data {source!r} does not exist: give a .json/.jsonl file, a folder or a datasets id.")
     return list(datasets.load_dataset(source, split=split))
+
+
+def hub_id(source: str) -> bool:
+    """Whether `read_rows` reads `source` from the Hugging Face hub (a `datasets` id: no local file or folder)."""
+    path = Path(source).expanduser()
+    local = path.name.endswith((".json", ".jsonl", ".jsonl.gz")) or path.is_dir()
+    return not local and not source.startswith((".", "/", "~")) and source.count("/") <= 1
 
 
 def to_example(row: dict) -> list[dict] | str | None:
