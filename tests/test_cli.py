@@ -54,10 +54,15 @@ def test_tiny_recipe_trains_20_steps_and_exports_heads_without_base_weights(tmp_
     )
 
 
-def test_fast_dev_run_of_the_tiny_recipe(tmp_path):
-    main(["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.fast_dev_run", "true",
-          "--trainer.logger.init_args.save_dir", str(tmp_path),
-          "--trainer.default_root_dir", str(tmp_path)])  # fmt: skip
+def test_fast_dev_run_of_the_tiny_recipe_trains_and_validates_one_batch_and_writes_nothing(tmp_path):
+    cli = main(["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.fast_dev_run", "true",
+                "--trainer.logger.init_args.save_dir", str(tmp_path),
+                "--trainer.default_root_dir", str(tmp_path)])  # fmt: skip
+    trained = [p for p in cli.model.heads.parameters() if p.requires_grad]
+    assert cli.trainer.global_step == 1 and len(cli.trainer.optimizers[0].state) == len(trained)  # one AdamW update
+    # of every trainable parameter (a training step that returned no loss would still count a step, but update none)
+    metrics = cli.trainer.callback_metrics
+    assert {"train/loss", "val/loss"} <= set(metrics) and all(bool(value.isfinite()) for value in metrics.values())
     assert not any(tmp_path.iterdir())  # a smoke run writes no logs, checkpoints or heads
 
 

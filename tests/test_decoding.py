@@ -57,14 +57,25 @@ def test_a_step_runs_only_the_heads_its_tree_reaches(tokenizer):
     assert asked[:2] == [0, 1] and set(asked) == {0, 1}  # head 1 skipped only where the output's end cuts the tree
 
 
-def test_heads_with_a_draft_vocabulary_give_the_base_models_greedy_output(tokenizer):
+def test_heads_with_a_draft_vocabulary_guess_only_its_tokens_and_give_the_base_models_greedy_output(tokenizer):
+    """Every token the heads put in a tree is one of the draft vocabulary's (heads that ignored it would guess from
+    all 512), some are accepted, and the output is the base's own greedy output."""
     model = tiny_model()
     input_ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     expected = reference(model, input_ids, 40)
-    heads = random_heads(model)
+    heads, guessed = random_heads(model), set()
     heads.config.draft_vocab = sorted(set(expected))  # guesses can be right (or wrong) only among these tokens
+    guess = heads.guess
+
+    def recorded(*args):
+        best, logp = guess(*args)
+        guessed.update(best.flatten().tolist())
+        return best, logp
+
+    heads.guess = recorded
     result = Decoder(model, tokenizer, heads, TREE).generate(PROMPT, max_new_tokens=40)
     assert result.token_ids == expected
+    assert guessed and guessed <= set(expected) and result.tau > 1
 
 
 def test_without_heads_the_loop_is_plain_greedy_decoding(tokenizer):

@@ -22,13 +22,15 @@ def measured(*options: str) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("kind", ["hydra", "eagle"])
-def test_the_estimate_is_within_a_third_of_the_measured_peak_for_the_135m_model(kind):
+def test_the_measured_peak_is_the_estimate_to_a_third_more_for_the_135m_model(kind):
     """Hydra heads with the base in every step, the eagle drafter reading 3 layers: measured 1.20-1.21x the
-    estimate on a 2-core EPYC (the allocator's and Lightning's own memory are not estimated)."""
+    estimate on a 2-core EPYC, 1.14x and 1.16x on the 2-core Zen 4 EPYC (the allocator's and Lightning's own memory
+    are not estimated). Never below it: an estimate that counted the base's weights twice (peaks 0.79x and 0.91x of
+    it) fails both; the earlier bound, 0.8x, let the eagle one pass."""
     estimate, peak = measured(
         "--data", "data/distilled", "--head_type", kind, "--batch_size", "8", "--max_length", "256"
     )
-    assert 0.8 * estimate <= peak <= 1.5 * estimate, (estimate, peak)
+    assert estimate <= peak <= 4 / 3 * estimate, (estimate, peak)
 
 
 def test_the_estimate_for_the_tiny_model_is_within_the_processes_fixed_costs():
