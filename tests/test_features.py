@@ -97,6 +97,32 @@ def test_a_run_killed_mid_way_and_rerun_on_another_number_of_processes_writes_ea
     assert sorted(written_keys(tmp_path)) == sorted({key(ids) for ids in examples})
 
 
+def test_the_loader_reads_each_batchs_states_in_its_worker_and_the_step_reads_none(examples, wanted, tmp_path,
+                                                                                   monkeypatch):  # fmt: skip
+    """The batches carry the states read from disk by the loader's worker process (a read in the training process
+    fails here), each row's own and zero past its end, and the step takes them from the batch."""
+    write_features(tmp_path, TINY_BASE, wanted, examples, batch_size=4)
+    features, read = Features(tmp_path, wanted), Features.__getitem__
+
+    def in_a_worker(self, example):
+        assert torch.utils.data.get_worker_info() is not None, "hidden states read in the training process"
+        return read(self, example)
+
+    monkeypatch.setattr(Features, "__getitem__", in_a_worker)
+    data = DrafterDataModule(TINY_CHAT, TINY_BASE, batch_size=8, val_fraction=0.1)
+    data.setup("fit")
+    data.read_features(features)
+    module = DrafterModule(TINY_BASE, features=str(tmp_path), feature_layers=LAYERS)
+    module.features = features  # (as its setup opens them)
+    batches = [*data.train_dataloader(), *data.val_dataloader()]
+    assert len(batches) == len(data.train_batches) + len(data.val_batches)
+    for batch in batches:
+        states = module.hidden_states(batch)  # (B, T, W)
+        for row, length in enumerate(batch["attention_mask"].sum(1).tolist()):
+            assert torch.equal(states[row, :length], read(features, key(batch["input_ids"][row, :length])).float())
+            assert not states[row, length:].any()
+
+
 def test_a_folder_written_for_other_states_is_refused(examples, wanted, tmp_path):
     write_features(tmp_path, TINY_BASE, wanted, examples[:2])
     with pytest.raises(ValueError, match=r"written for layers \[1\]; this run needs layers \[0, 2\].*another folder"):

@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from mtp.base import DEFAULT_BASE, compute_dtype, load_tokenizer
 from mtp.training.distill import Distill, run_distill
+from mtp.training.features import DTYPE, Features, key
 from mtp.training.rows import FORMATS, hub_id, read_rows, to_example
 
 
@@ -57,8 +58,10 @@ def prompt_of(example: list[dict] | str) -> str:
     return json.dumps(example[:first])
 
 
-def collate(examples: list[tuple[torch.Tensor, torch.Tensor]], pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """Right-pad a batch of (ids, loss mask): input_ids, attention_mask, loss_mask (B, T)."""
+def collate(examples: list[tuple[torch.Tensor, torch.Tensor]], pad_id: int = 0,
+            features: Features | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Right-pad a batch of (ids, loss mask): input_ids, attention_mask, loss_mask (B, T); with `features`, also the
+    examples' hidden states read from them, `features` (B, T, W), zero past each example's end."""
     length = max(len(ids) for ids, _ in examples)
     input_ids = torch.full((len(examples), length), pad_id, dtype=torch.long)  # (B, T)
     attention_mask = torch.zeros((len(examples), length), dtype=torch.long)  # (B, T)
@@ -67,7 +70,12 @@ def collate(examples: list[tuple[torch.Tensor, torch.Tensor]], pad_id: int = 0) 
         input_ids[row, : len(ids)] = ids
         attention_mask[row, : len(ids)] = 1
         loss_mask[row, : len(ids)] = mask
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+    if features is not None:
+        batch["features"] = torch.zeros(len(examples), length, features.width, dtype=DTYPE)  # (B, T, W)
+        for row, (ids, _) in enumerate(examples):
+            batch["features"][row, : len(ids)] = features[key(ids)]
+    return batch
 
 
 def bucket(lengths: list[int], batch_size: int, seed: int = 0) -> list[list[int]]:
@@ -164,6 +172,7 @@ class DrafterDataModule(L.LightningDataModule):
         self.val_data = val_data
         self.train_batches = self.val_batches = None
         self.resume = {}  # from a checkpoint: its epoch, how many of its batches had trained, on how many processes
+        self.features: Features | None = None  # hidden states on disk, put in every batch (`read_features`)
 
     def prepare_data(self) -> None:
         """Download the `datasets` ids among the prompts and the data once per node: Lightning runs this on one
@@ -265,15 +274,25 @@ class DrafterDataModule(L.LightningDataModule):
         self.resume = {}  # once: a later fit of this data module starts afresh
         # Each item is one pre-grouped batch (batch_size=None), so the sampler deals out whole batches.
         order = EpochOrder(self.train_batches, shares["num_replicas"], shares["rank"], self.seed, epoch, skip)
-        return DataLoader(
-            self.train_batches, batch_size=None, sampler=order, collate_fn=partial(collate, pad_id=self.pad_id)
-        )
+        return DataLoader(self.train_batches, batch_size=None, sampler=order, **self._loading())
+
+    def read_features(self, features: Features) -> None:
+        """Put in every batch its examples' hidden states from `features` (the drafter's module opens them in its
+        `setup`, before the loaders are made), read by a worker process a few batches ahead of the steps."""
+        self.features = features
+
+    def _loading(self) -> dict:
+        """How batches are made: collated in this process, or with hidden states from disk, in a worker's."""
+        loading = {"collate_fn": partial(collate, pad_id=self.pad_id, features=self.features)}
+        if self.features is not None:
+            loading |= {"num_workers": 1, "prefetch_factor": 4, "persistent_workers": True}
+        return loading
 
     def _shares(self) -> dict:  # how many processes share the batches, and which one this is
         return (self.trainer.distributed_sampler_kwargs if self.trainer else None) or {"num_replicas": 1, "rank": 0}
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_batches, batch_size=None, collate_fn=partial(collate, pad_id=self.pad_id))
+        return DataLoader(self.val_batches, batch_size=None, **self._loading())
 
 
 def add_held_out_arguments(parser, required: bool = True) -> None:

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 from transformers import PreTrainedModel
@@ -38,8 +39,10 @@ def backbone(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: to
 
 
 class Features:
-    """The hidden states in a folder, read one example at a time from its part (plain reads, no memory map: nothing
-    read stays in memory, so memory is flat however many there are)."""
+    """The hidden states in a folder, read one example at a time through a memory map of its part (safetensors'
+    `safe_open`): what was read stays in the system's file cache, not in the process, so memory is flat however many
+    there are, and reading cached states again costs no disk access. The data loader's worker reads them ahead of
+    the steps (`mtp.training.data.collate`)."""
 
     def __init__(self, folder: str | Path, manifest: dict):
         """`manifest`: what the states must be (`manifest` below); a folder written for another base model or other
@@ -56,16 +59,18 @@ class Features:
                                  f"{needed}: give another folder (model.features) or delete this one.")  # fmt: skip
         self.width = manifest["width"]
         self.row_bytes = self.width * DTYPE.itemsize
-        self.where: dict[str, tuple[Path, int, int]] = {}  # key -> (part, byte offset of its first row, rows)
+        self.where: dict[str, tuple[Path, int, int]] = {}  # key -> (part, its first row, rows)
         for part in sorted(self.folder.glob("rank-*/part-*.safetensors")):
             with part.open("rb") as file:
-                size = int.from_bytes(file.read(8), "little")
-                header = json.loads(file.read(size))
-            offset = 8 + size + header["states"]["data_offsets"][0]
-            index = header["__metadata__"]
+                index = json.loads(file.read(int.from_bytes(file.read(8), "little")))["__metadata__"]
+            first = 0
             for example, length in zip(json.loads(index["keys"]), json.loads(index["lengths"]), strict=True):
-                self.where.setdefault(example, (part, offset, length))
-                offset += length * self.row_bytes
+                self.where.setdefault(example, (part, first, length))
+                first += length
+        self._parts = {}  # part -> its open memory map, opened on the first read (in the process that reads)
+
+    def __getstate__(self) -> dict:  # to a loader's worker: without open maps
+        return {**self.__dict__, "_parts": {}}
 
     def __contains__(self, example: str) -> bool:
         return example in self.where
@@ -75,12 +80,10 @@ class Features:
         if example not in self.where:
             raise KeyError(f"No hidden states for this example in {str(self.folder)!r}: run training with the same "
                            "data once more to write them.")  # fmt: skip
-        part, offset, length = self.where[example]
-        data = bytearray(length * self.row_bytes)
-        with part.open("rb") as file:
-            file.seek(offset)
-            file.readinto(data)
-        return torch.frombuffer(data, dtype=DTYPE).view(length, self.width)
+        part, first, length = self.where[example]
+        if part not in self._parts:
+            self._parts[part] = safe_open(part, framework="pt")
+        return self._parts[part].get_slice("states")[first : first + length]
 
 
 def manifest(identity: dict, layers: list[int]) -> dict:

@@ -16,7 +16,7 @@ from torchmetrics import MeanMetric
 
 from mtp.base import DEFAULT_BASE, compute_dtype, load_base
 from mtp.drafters.contract import Drafter, DrafterConfig, base_identity, weights_fingerprint
-from mtp.training.features import Features, backbone, key, manifest, write_features
+from mtp.training.features import Features, backbone, manifest, write_features
 from mtp.training.lora import Lora, divergence, with_adapters
 from mtp.training.loss import (
     IGNORE,
@@ -181,18 +181,17 @@ class DrafterModule(L.LightningModule):
         return backbone(self.base_model, batch["input_ids"], batch["attention_mask"], self.heads.config.feature_layers)
 
     def hidden_states(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """`backbone`'s states (B, T, (L+1) H), read from disk with `features`; with adapters, with their
-        gradients."""
+        """`backbone`'s states (B, T, (L+1) H): with `features`, those the loader read from disk into the batch;
+        with adapters, with their gradients."""
         if self.lora is not None:
             return self.backbone(batch)
         if self.features is None:
             with torch.no_grad():
                 return self.backbone(batch)
-        ids = batch["input_ids"].cpu()
-        hidden = torch.zeros(*ids.shape, self.features.width, dtype=self.base_model.dtype)  # (B, T, (L+1) H)
-        for row, length in enumerate(batch["attention_mask"].sum(1).tolist()):
-            hidden[row, :length] = self.features[key(ids[row, :length])]
-        return hidden.to(self.device)
+        if "features" not in batch:
+            raise ValueError("model.features is set, but the batches carry no hidden states: train with "
+                             "DrafterDataModule, which reads them from the folder.")  # fmt: skip
+        return batch["features"].to(self.base_model.dtype)
 
     def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
         states = self.hidden_states(batch)  # (B, T, (L+1) H)
@@ -294,6 +293,7 @@ class DrafterModule(L.LightningModule):
                            data.batch_size)  # fmt: skip
             trainer.strategy.barrier("features written")
             self.features = Features(self.hparams.features, wanted)
+            data.read_features(self.features)  # the batches carry the states, read ahead by the loader's worker
         if stage == "fit" and self.hparams.draft_vocab and self.hparams.init_heads is None:
             examples = self.trainer.datamodule.train_examples
             targets = torch.cat([ids[mask] for ids, mask in examples])  # every target token of the training split
