@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import Callback
 
 from mtp.base import DEFAULT_BASE
 from mtp.training.data import DrafterDataModule
-from mtp.training.memory import describe, estimate
+from mtp.training.memory import estimate, memory_line
 from mtp.training.module import DrafterModule
 
 
@@ -92,7 +92,7 @@ def main() -> None:
         peak = torch.cuda.max_memory_allocated()
     else:
         peak = resident("VmHWM") - before
-    print(describe(found, args.batch_size, args.max_length))
+    print(memory_line(found, args.batch_size, args.max_length))
     print(f"measured peak ({'torch allocations' if cuda else 'resident memory over the baseline'}): "
           f"{peak / 1e6:,.0f} MB; measured / estimate: {peak / found['total']:.2f}")  # fmt: skip
     if timer.seconds:

@@ -3,7 +3,7 @@
 import torch
 
 from mtp.decoding.compiled import compile_pass
-from mtp.decoding.costs import candidates, fit
+from mtp.decoding.costs import candidates, machine_pacer
 from mtp.decoding.decoder import Decoder, GenerationResult
 from mtp.decoding.lookup import Lookup
 from mtp.decoding.sampling import Sampling
@@ -61,7 +61,7 @@ def load(
     compiled = compile_pass(model, compile, layers=bool(config.feature_layers))
     if tree is None and lookup is None and config.dynamic_tree is None and config.calibration is not None:
         paths, expected = grow_tree(config.calibration, MAX_NODES)
-        pacer = fit(model, tokenizer, drafter, candidates(config, paths, expected), paths, compiled)
+        pacer = machine_pacer(model, tokenizer, drafter, candidates(config, paths, expected), paths, compiled)
         return Decoder(model, tokenizer, drafter, pacer=pacer, compiled=compiled)
     if tree is None and config.dynamic_tree:
         chosen = DynamicTree.parse(config.dynamic_tree)

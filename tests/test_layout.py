@@ -76,3 +76,13 @@ def test_each_layer_imports_only_the_layers_below_it_and_only_the_drafter_contra
         names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
         names |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
         assert not {name for name in names if name.split(".")[0] in ("lightning", "torchmetrics")}, path.name
+
+
+def test_no_function_or_class_name_is_defined_twice_in_the_package():
+    """One name, one thing: a module-level function or class of mtp is defined once (a command's `main` aside)."""
+    where = {}
+    for path in sorted((ROOT / "mtp").rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef | ast.ClassDef) and node.name != "main":
+                where.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
+    assert {name: paths for name, paths in where.items() if len(paths) > 1} == {}

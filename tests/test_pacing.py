@@ -8,7 +8,7 @@ import mtp
 import mtp.decoding.costs
 from mtp.base import load_tokenizer
 from mtp.decoding.batch import Row
-from mtp.decoding.costs import fit
+from mtp.decoding.costs import machine_pacer
 from mtp.decoding.decoder import Decoder
 from mtp.decoding.pacing import MIN_RETURN, RETURN, Candidate, Pacer, Plan
 from mtp.decoding.tree import Tree, grow_tree
@@ -46,7 +46,7 @@ def test_cheap_rows_take_the_biggest_tree_and_dear_rows_plain_steps(tmp_path, mo
     model = tiny_model()
     heads = random_heads(model, num_heads=3)
     asked = fake_timings(monkeypatch, {1: CHEAP, 2: DEAR, 4: CHEAP})
-    pacer = fit(model, tokenizer, heads, CANDIDATES, PATHS)
+    pacer = machine_pacer(model, tokenizer, heads, CANDIDATES, PATHS)
     assert pacer.best(1).tree.size == 8 and pacer.best(1).tree.paths == Tree.from_paths(PATHS[:7]).paths
     assert asked == [1]  # batch sizes are timed when a batch first needs them
     pacer.prepare(3)
@@ -57,7 +57,7 @@ def test_cheap_rows_take_the_biggest_tree_and_dear_rows_plain_steps(tmp_path, mo
     # 0.35 = 6.6 with 8
     fake_timings(monkeypatch, {1: [0.1, 0.15, 0.18, 0.2, 0.28, 0.35]})
     monkeypatch.setenv("MTP_CACHE", str(tmp_path / "another"))
-    assert fit(model, tokenizer, heads, CANDIDATES, PATHS).best(1).tree.size == 2
+    assert machine_pacer(model, tokenizer, heads, CANDIDATES, PATHS).best(1).tree.size == 2
 
 
 def test_costs_are_measured_once_per_machine_and_the_first_time_said_in_one_line(tmp_path, monkeypatch, capsys):

@@ -1,6 +1,7 @@
 """Step costs of this machine, measured once: the seconds of a decoding step that verifies n tree nodes over B
 rows, for the base model and drafter at hand, cached per machine (`mtp.machine.measured`: device, threads, torch,
-dtype, base model and drafter); and the pacing they give a drafter's candidates (`fit`, see `mtp.decoding.pacing`)."""
+dtype, base model and drafter); and the pacing they give a drafter's candidates (`machine_pacer`, see
+`mtp.decoding.pacing`)."""
 
 import sys
 import time
@@ -112,8 +113,8 @@ def candidates(config, paths: list[Path], expected: list[float]) -> list[Candida
             for size in timed_sizes(paths, 1)]  # fmt: skip
 
 
-def fit(model, tokenizer, heads: Drafter, candidates: list[Candidate], paths: list[Path],
-        compiled: CompiledPass | None = None) -> Pacer:  # fmt: skip
+def machine_pacer(model, tokenizer, heads: Drafter, candidates: list[Candidate], paths: list[Path],
+                  compiled: CompiledPass | None = None) -> Pacer:  # fmt: skip
     """The pacing of `candidates` (trees of the first size - 1 of `paths`) on this machine: step costs for one row
     measured now (or read from the cache), those of B rows when a batch first needs them (`Pacer.prepare`); the
     first measurement on a machine says in one line what it found and chose."""

@@ -65,7 +65,7 @@ def timed_generate(model, prompts: list[torch.Tensor], max_new_tokens: int, samp
     return outputs, time.perf_counter() - start
 
 
-def timed(row: dict) -> list[str]:
+def decoders_in(row: dict) -> list[str]:
     """The decoders timed in a row of results: those of METHODS that ran, in that order, then the --against ones."""
     names = [key.removesuffix("_seconds") for key in row if key.endswith("_seconds")]
     return [name for name in METHODS if name in names] + [name for name in names if name.startswith("against_")]
@@ -76,7 +76,7 @@ def summarise(rows: list[dict]) -> dict:
     mtp's output differs from plain `generate`'s (greedy only; None when sampling)."""
     tokens, passes = sum(row["mtp_tokens"] for row in rows), sum(row["forward_passes"] for row in rows)
     speed = {name: sum(row[f"{name}_tokens"] for row in rows) / sum(row[f"{name}_seconds"] for row in rows)
-             for name in timed(rows[0])}  # fmt: skip
+             for name in decoders_in(rows[0])}  # fmt: skip
     candidates = sum(sum(row["accept_lengths"]) for row in rows) - passes  # accepted, bonus tokens left out
     from_lookup = sum(row["lookup_accepted"] for row in rows)
     return {
@@ -92,7 +92,7 @@ def summarise(rows: list[dict]) -> dict:
 def against(rows: list[dict]) -> dict:
     """The tau and mismatches of each --against drafter."""
     summary = {}
-    for name in [name for name in timed(rows[0]) if name.startswith("against_")]:
+    for name in [name for name in decoders_in(rows[0]) if name.startswith("against_")]:
         passes = sum(row[f"{name}_passes"] for row in rows)
         matches = [row[f"{name}_matches_plain"] for row in rows]
         summary[f"{name}_tau"] = sum(row[f"{name}_tokens"] for row in rows) / max(passes, 1)

@@ -30,7 +30,7 @@ from mtp.training.loss import (
     summed_cross_entropy,
     weighted,
 )
-from mtp.training.memory import describe, estimate
+from mtp.training.memory import estimate, memory_line
 
 TOP_K = (1, 5)
 # Lightning warns about modules in eval mode when training starts: the frozen base is, on purpose.
@@ -308,7 +308,8 @@ class DrafterModule(L.LightningModule):
     def on_train_start(self) -> None:
         data = self.trainer.datamodule
         if data is not None:  # the configured batch (loaders passed alone say nothing of it)
-            rank_zero_info(describe(estimate(self, data.batch_size, data.max_length), data.batch_size, data.max_length))
+            found = estimate(self, data.batch_size, data.max_length)
+            rank_zero_info(memory_line(found, data.batch_size, data.max_length))
 
     def on_validation_epoch_start(self) -> None:
         self.rank_accuracy.reset()
