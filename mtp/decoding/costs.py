@@ -13,9 +13,9 @@ from mtp.decoding.compiled import CompiledPass
 from mtp.decoding.decoder import Decoder
 from mtp.decoding.lookup import Lookup
 from mtp.decoding.pacing import Candidate, Pacer, Plan, fastest
+from mtp.decoding.proposer import Drafts
 from mtp.decoding.sampling import GREEDY
 from mtp.decoding.tree import Path, Tree
-from mtp.drafters.contract import Drafter
 from mtp.linears import usual_linears
 from mtp.machine import cache_dir, device_name, measured
 
@@ -40,7 +40,7 @@ def timed(call, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def measure_steps(model, tokenizer, heads: Drafter, paths: list[Path], context: int = CONTEXT, steps: int = 6,
+def measure_steps(model, tokenizer, heads: Drafts, paths: list[Path], context: int = CONTEXT, steps: int = 6,
                   batch: int = 1, bound: float | None = None,
                   compiled: CompiledPass | None = None) -> list[float]:  # fmt: skip
     """Seconds per decoding step of `batch` rows for each of `timed_sizes` in turn, after prompts of `context`
@@ -93,7 +93,7 @@ def step_costs(timed: list[float], max_nodes: int) -> list[float]:
     return costs
 
 
-def machine_key(model, heads: Drafter, compiled: CompiledPass | None = None, context: int = CONTEXT) -> str:
+def machine_key(model, heads: Drafts, compiled: CompiledPass | None = None, context: int = CONTEXT) -> str:
     """What step costs depend on: the device (and threads), torch, the dtype, the base model, the drafter's kind,
     the compiled pass's buckets."""
     config = heads.config
@@ -113,7 +113,7 @@ def candidates(config, paths: list[Path], expected: list[float]) -> list[Candida
             for size in timed_sizes(paths, 1)]  # fmt: skip
 
 
-def machine_pacer(model, tokenizer, heads: Drafter, candidates: list[Candidate], paths: list[Path],
+def machine_pacer(model, tokenizer, heads: Drafts, candidates: list[Candidate], paths: list[Path],
                   compiled: CompiledPass | None = None) -> Pacer:  # fmt: skip
     """The pacing of `candidates` (trees of the first size - 1 of `paths`) on this machine: step costs for one row
     measured now (or read from the cache), those of B rows when a batch first needs them (`Pacer.prepare`); the

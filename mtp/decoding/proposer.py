@@ -8,6 +8,7 @@ it there (`Tree.sources`).
 """
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +52,19 @@ class Proposer:
 
 
 @dataclass
+class Drafts(Protocol):
+    """What decoding needs of a drafter, declared here so that decoding names no drafter: its proposer over the rows
+    of a batch, the deepest tree node it can fill, and its config (its kind, for the step costs' key). The drafters
+    (`mtp.drafters.contract.Drafter`) implement it."""
+
+    config: Any
+    max_depth: int | None
+
+    def proposer(self, target: Target, cut: dict) -> Proposer:
+        """This drafter over the rows of a batch, on the trees of each step's plan (`cut`: the static trees cut so
+        far, kept by the caller across batches)."""
+
+
 class Draft:
     """What a drafter drafted so far this step, per row: node 0 the root, a node's parent before it."""
 
