@@ -51,7 +51,6 @@ class Proposer:
             self.add(input_ids[:p], states.prefix(p), int(input_ids[p]))
 
 
-@dataclass
 class Drafts(Protocol):
     """What decoding needs of a drafter, declared here so that decoding names no drafter: its proposer over the rows
     of a batch, the deepest tree node it can fill, and its config (its kind, for the step costs' key). The drafters
@@ -65,6 +64,7 @@ class Drafts(Protocol):
         far, kept by the caller across batches)."""
 
 
+@dataclass
 class Draft:
     """What a drafter drafted so far this step, per row: node 0 the root, a node's parent before it."""
 
