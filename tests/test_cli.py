@@ -160,7 +160,7 @@ def free_port() -> int:
 
 def two_nodes(folders: list[Path]) -> list[subprocess.CompletedProcess]:
     """The tiny recipe with the eagle drafter and features on disk, 3 steps, launched as on two nodes of one process
-    each (two torchrun agents on this machine), node n writing in `folders[n]` (one folder: a shared one)."""
+    each (two torchrun agents on this machine), node n writing in `folders[n]` (the same folder for both: one both nodes see)."""
     port, agents = free_port(), []
     for node, folder in enumerate(folders):
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
@@ -182,8 +182,8 @@ def test_two_nodes_train_as_two_processes_on_one_and_stop_at_once_on_node_local_
     """torchrun on two "nodes" (the node count from its environment, as the recipes' commands run): on a shared
     folder, the heads of 2 processes on one node; on a folder of each node's own, every process stops before any
     work with one line naming the folders (it used to abort one node and leave the other waiting 300 s)."""
-    shared = two_nodes([tmp_path / "shared"] * 2)
-    assert all(node.returncode == 0 for node in shared), shared[1].stderr[-3000:]
+    together = two_nodes([tmp_path / "together"] * 2)
+    assert all(node.returncode == 0 for node in together), together[1].stderr[-3000:]
     command = [sys.executable, "train.py", "fit", "--config", "configs/tiny.yaml", "--model.head_type", "eagle",
                "--model.features", str(tmp_path / "one" / "features"), "--trainer.accelerator", "cpu",
                "--trainer.devices", "2", "--trainer.strategy", "ddp", "--trainer.max_steps", "3",
@@ -192,7 +192,7 @@ def test_two_nodes_train_as_two_processes_on_one_and_stop_at_once_on_node_local_
     one = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert one.returncode == 0, one.stderr[-3000:]
     expected = heads_of(tmp_path / "one" / "lightning_logs" / "version_0")
-    for name, weight in heads_of(tmp_path / "shared" / "lightning_logs" / "version_0").items():
+    for name, weight in heads_of(tmp_path / "together" / "lightning_logs" / "version_0").items():
         torch.testing.assert_close(weight, expected[name], rtol=0, atol=1e-6, msg=name)
 
     local = two_nodes([tmp_path / "node0", tmp_path / "node1"])
