@@ -136,11 +136,8 @@ class CompiledPass:
         mask = tree_attention_mask(tree_mask, positions, slots, self.target.windows, self.target.dtype)
         if mask is None:  # one node after filled slots, no window: eagerly the model's own path, here a mask
             mask = torch.zeros(1, 1, size, filled + size, dtype=self.target.dtype, device=tokens.device)
-        if isinstance(mask, dict):  # (1, 1, S, T+S) each: one compiled graph for every T (attention reads T+S slots)
-            for each in mask.values():
-                torch._dynamo.mark_dynamic(each, 3, min=2, max=self.length - 1)
-        else:
-            torch._dynamo.mark_dynamic(mask, 3, min=2, max=self.length - 1)
+        for each in mask.values() if isinstance(mask, dict) else [mask]:  # (1, 1, S, T+S): one compiled graph for
+            torch._dynamo.mark_dynamic(each, 3, min=2, max=self.length - 1)  # every T (attention reads T+S slots)
         forward = self._compiled if bucket else self._forward
         backbone, lm_head = self.target.backbone, self.target.lm_head  # traced with the usual products, which it packs
         with grouped_keys(self.target.device.type == "cpu"), usual_linears(backbone), usual_linears(lm_head), \
