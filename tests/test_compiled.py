@@ -35,7 +35,7 @@ def model():
 @pytest.fixture(scope="module")
 def compiled(model):
     """The tiny Llama's pass compiled for 1 and 4 nodes over 256 slots, with every layer's hidden states."""
-    compiled = CompiledPass(Target(model), layers=True, buckets=(1, 4), length=256, tune=False)
+    compiled = CompiledPass(Target(model), every_layer=True, buckets=(1, 4), length=256, tune=False)
     compiled.warm_up()
     return compiled
 
@@ -60,7 +60,7 @@ def test_compiled_logits_equal_the_eager_passes_in_every_bucket(model, compiled,
     with torch.no_grad():
         for layer in compiled.load(prefilled(model, prompt)).layers:
             layer.keys[:, :, prompt.shape[1] :], layer.values[:, :, prompt.shape[1] :] = torch.nan, torch.nan
-        ours = compiled.run(tokens, positions, tree.mask[None], slots, layers=True)
+        ours = compiled.run(tokens, positions, tree.mask[None], slots, every_layer=True)
         cache = prefilled(model, prompt)
         mask = tree_attention_mask(tree.mask[None], positions, slots, target.windows, target.dtype)
         theirs = target.run(True, input_ids=tokens, position_ids=positions, attention_mask=mask, cache=cache)
@@ -157,7 +157,7 @@ def test_two_models_compiled_in_one_process_decode_each_on_its_own_weights_and_c
     """A second tiny Llama, other weights, compiled with the same shapes as the module's: each decoder's greedy
     output is its own model's (a pass that found the other's graph would run its frozen weights over its cache)."""
     other = tiny_model(seed=1)
-    second = CompiledPass(Target(other), layers=True, buckets=(1, 4), length=256, tune=False)
+    second = CompiledPass(Target(other), every_layer=True, buckets=(1, 4), length=256, tune=False)
     second.warm_up()
     prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
     for each, its_pass in [(other, second), (model, compiled), (other, second)]:

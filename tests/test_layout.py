@@ -2,6 +2,8 @@
 function to dodge one)."""
 
 import ast
+import subprocess
+import sys
 
 from tests.conftest import ROOT
 
@@ -51,7 +53,8 @@ def test_no_module_imports_itself_through_others_and_none_imports_inside_a_funct
 def test_each_layer_imports_only_the_layers_below_it_and_only_the_drafter_contract_names_kinds():
     """decoding/ imports nothing of the drafters (what it needs of one, `Drafts`, it declares), nor Lightning,
     training or tools; drafters/ neither training nor tools; training/ no tool; only the drafters themselves (and
-    the package root, which imports every kind so the registry is complete) import a kind."""
+    the drafters' package, which imports every kind so that the registry is complete whatever part of it is
+    imported) import a kind."""
     found = imports()
     kinds = {"mtp.drafters.heads", "mtp.drafters.eagle", "mtp.drafters.eagle_proposer"}
     above = {
@@ -69,13 +72,22 @@ def test_each_layer_imports_only_the_layers_below_it_and_only_the_drafter_contra
     }
     assert crossing == set()
     outside = {(name, module) for name, (top, _) in found.items() for module in top & kinds
-               if not name.startswith("mtp.drafters.") and name != "mtp"}  # fmt: skip
+               if not name.startswith("mtp.drafters")}  # fmt: skip
     assert outside == set()
     for path in (ROOT / "mtp" / "decoding").glob("*.py"):  # the verifier runs without Lightning installed
         tree = ast.parse(path.read_text())
         names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
         names |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
         assert not {name for name in names if name.split(".")[0] in ("lightning", "torchmetrics")}, path.name
+
+
+def test_importing_a_part_builds_only_what_it_imports_and_the_contract_alone_knows_every_kind():
+    """The package root imports nothing until a name of it is used; any module of the drafters fills the registry."""
+    code = ("import sys, mtp.training.loss; print(sorted(m for m in sys.modules if m.startswith('mtp.')))\n"
+            "from mtp.drafters.contract import Drafter; print(sorted(Drafter.kinds))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    loaded, kinds = out.stdout.splitlines()
+    assert loaded == str(["mtp.training", "mtp.training.loss"]) and kinds == str(["eagle", "hydra", "medusa"])
 
 
 def test_no_function_or_class_name_is_defined_twice_in_the_package():

@@ -59,7 +59,7 @@ class Batch:
         self.device = target.device
         self.rows: list[Row] = []
         self.cache, self.slots = DynamicCache(), None  # slots (B, T): see mtp.decoding.cache
-        self.layers = any(proposer.layers for proposer in proposers)  # a drafter reads more than the last states
+        self.every_layer = any(proposer.layers for proposer in proposers)  # a drafter reads more than the last states
         self.root = Tree.from_paths([]).to(self.device)  # every step's tree before the drafters propose
 
     @torch.no_grad()
@@ -67,7 +67,7 @@ class Batch:
         """Prefill the prompt `input_ids` (1, T) alone and add it as the last row; returns its first new token.
         `max_length`: the row ends at this length (default: the model's context window)."""
         cache = DynamicCache()  # every position on every layer: see mtp.decoding.cache
-        states = self.target.run(self.layers, input_ids=input_ids.to(self.device), cache=cache)
+        states = self.target.run(self.every_layer, input_ids=input_ids.to(self.device), cache=cache)
         logits = self.target.logits(states.last[0, -1])  # (V,)
         if self.sampling.greedy:
             root = int(logits.argmax())
@@ -146,10 +146,10 @@ class Batch:
             if self.static and not self.compiled.holds(self.slots.shape[1], size):  # past the static cache's end
                 self.cache = self.compiled.unload(self.slots.shape[1])
             if self.static:
-                return self.compiled.run(batch, positions, mask, self.slots, self.layers)
+                return self.compiled.run(batch, positions, mask, self.slots, self.every_layer)
             attention = tree_attention_mask(mask, positions, self.slots, self.target.windows, self.target.dtype)
             with grouped_keys(self.device.type == "cpu" and size > 1):
-                states = self.target.run(self.layers, input_ids=batch, position_ids=positions,
+                states = self.target.run(self.every_layer, input_ids=batch, position_ids=positions,
                                          attention_mask=attention, cache=self.cache)  # fmt: skip
             return replace(states, logits=self.target.logits(states.last))
 

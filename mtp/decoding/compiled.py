@@ -52,18 +52,18 @@ class CompiledPass:
 
     Args:
         target: the base model as the verifier sees it.
-        layers: passes give every layer's hidden states too (for a drafter that reads features).
+        every_layer: passes give every layer's hidden states too (for a drafter that reads features).
         buckets: node counts to compile, ascending.
         length: cache slots.
         tune: on a CPU, autotune each product's kernel among inductor's C++ GEMM templates and oneDNN/MKL (the
             templates win for a few rows); False compiles faster (tests).
     """
 
-    def __init__(self, target: Target, layers: bool = False, buckets: tuple[int, ...] = BUCKETS,
+    def __init__(self, target: Target, every_layer: bool = False, buckets: tuple[int, ...] = BUCKETS,
                  length: int = LENGTH, tune: bool = True):  # fmt: skip
         if list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
             raise ValueError(f"buckets={buckets}: give node counts from 1 up, ascending, each once.")
-        self.target, self.layers, self.buckets = target, layers, tuple(buckets)
+        self.target, self.every_layer, self.buckets = target, every_layer, tuple(buckets)
         self.length = min(length, target.context or length)
         self.cache = _SeenCache(layers=[StaticLayer(self.length) for _ in range(target.num_layers)])
         if os.environ.get(INDUCTOR_DIR, default_cache_dir()) == default_cache_dir():  # unless the user chose one
@@ -81,7 +81,7 @@ class CompiledPass:
         self._holder = None  # a weak reference to the batch decoding on the static cache
         # a class of its own: the one guard kept on the module is its type, which finds this pass's graphs (its
         # frozen weights, its cache), not those of another pass compiled in the process
-        self._forward = type("_Pass", (_Pass,), {})(target, self.cache, layers)
+        self._forward = type("_Pass", (_Pass,), {})(target, self.cache, every_layer)
         self._compiled = torch.compile(self._forward, dynamic=False, options={"guard_filter_fn": _guards})
 
     def claim(self, batch, filled: int) -> bool:
@@ -90,7 +90,7 @@ class CompiledPass:
         the cache (two streams of one decoder interleaved: the second decodes eagerly)."""
         holder = self._holder and self._holder()
         taken = holder is not None and holder is not batch and holder.static
-        if taken or (batch.layers and not self.layers) or not self.holds(filled, 1):
+        if taken or (batch.every_layer and not self.every_layer) or not self.holds(filled, 1):
             return False
         self._holder = weakref.ref(batch)
         return True
@@ -122,10 +122,10 @@ class CompiledPass:
         return cache
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor, slots: torch.Tensor,
-            layers: bool = False) -> States:  # fmt: skip
+            every_layer: bool = False) -> States:  # fmt: skip
         """One pass over the nodes `tokens` (1, Q) at `positions` (1, Q), node i seeing node j iff `tree_mask`
         (1, Q, Q), after the filled slots `slots` (1, T) of the static cache: their states (every layer's if
-        `layers`) and logits. Compiled, the pass is padded to its bucket; over more nodes than the largest bucket,
+        `every_layer`) and logits. Compiled, the pass is padded to its bucket; over more nodes than the largest bucket,
         it runs eagerly. The cache then holds T + the pass's nodes (padding included) slots."""
         queries, filled, bucket = tokens.shape[1], slots.shape[1], self.bucket(tokens.shape[1])
         size = bucket or queries
@@ -143,9 +143,9 @@ class CompiledPass:
         with grouped_keys(self.target.device.type == "cpu"), usual_linears(backbone), usual_linears(lm_head), \
                 inductor.patch(self.settings):  # fmt: skip
             hidden, logits, states = forward(tokens, positions, mask)
-        if layers and states is None:
-            raise ValueError("This compiled pass gives no hidden states but the last: build it with layers=True.")
-        states = tuple(layer[:, :queries] for layer in states) if layers else None
+        if every_layer and states is None:
+            raise ValueError("This compiled pass gives no hidden states but the last: build it with every_layer=True.")
+        states = tuple(layer[:, :queries] for layer in states) if every_layer else None
         return States(hidden[:, :queries], states, logits[:, :queries])
 
     @torch.no_grad()
@@ -154,7 +154,7 @@ class CompiledPass:
         start = time.perf_counter()
         context = 8
         prefill = DynamicCache()
-        self.target.run(self.layers, input_ids=torch.zeros(1, context, dtype=torch.long, device=self.target.device),
+        self.target.run(self.every_layer, input_ids=torch.zeros(1, context, dtype=torch.long, device=self.target.device),
                         cache=prefill)  # fmt: skip  (with the layers' states: transformers hooks them now, not traced)
         print(f"mtp: compiling the verification pass for {', '.join(map(str, self.buckets))} nodes on "
               f"{self.target.device.type} (once per process; kernels kept in {os.environ[INDUCTOR_DIR]})",
@@ -194,9 +194,9 @@ class _Pass(torch.nn.Module):
     """The pass that is compiled: the backbone over the static `cache`, then the logits as the model makes them.
     A module holding the model's modules, so that the compiler sees their weights as parameters, which it freezes."""
 
-    def __init__(self, target: Target, cache: Cache, layers: bool):
+    def __init__(self, target: Target, cache: Cache, every_layer: bool):
         super().__init__()
-        self.backbone, self.lm_head, self.cache, self.layers = target.backbone, target.lm_head, cache, layers
+        self.backbone, self.lm_head, self.cache, self.every_layer = target.backbone, target.lm_head, cache, every_layer
         self.finish = partial(target.finished, scale=target.scale, divide=target.divide)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask) -> tuple:
@@ -204,20 +204,20 @@ class _Pass(torch.nn.Module):
         after the cache's filled slots."""
         self.cache.seen = next(iter(mask.values())).shape[-1] if isinstance(mask, dict) else mask.shape[-1]
         out = self.backbone(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, cache=self.cache,
-                            use_cache=True, output_hidden_states=self.layers)  # fmt: skip
+                            use_cache=True, output_hidden_states=self.every_layer)  # fmt: skip
         hidden = out.last_hidden_state
-        return hidden, self.finish(self.lm_head(hidden)), out.hidden_states if self.layers else None
+        return hidden, self.finish(self.lm_head(hidden)), out.hidden_states if self.every_layer else None
 
 
-def compile_pass(base_model, compile: bool | None = None, layers: bool = False) -> CompiledPass | None:
-    """`base_model`'s verification pass (with every layer's hidden states if `layers`) compiled and warmed up if
+def compile_pass(base_model, compile: bool | None = None, every_layer: bool = False) -> CompiledPass | None:
+    """`base_model`'s verification pass (with every layer's hidden states if `every_layer`) compiled and warmed up if
     `compile` (None: unless the environment sets MTP_COMPILE=0); None if not, or if compiling fails (then said in
     one line: decoding steps run eagerly)."""
     if compile is None:
         compile = os.environ.get("MTP_COMPILE", "1") != "0"
     if not compile:
         return None
-    compiled = CompiledPass(Target(base_model), layers)
+    compiled = CompiledPass(Target(base_model), every_layer)
     try:
         compiled.warm_up()
     except Exception as error:  # a model or device that inductor cannot compile: eager steps, as before

@@ -99,8 +99,8 @@ class Target:
             "logits than plain decoding samples from: decode this model with its own `generate`."
         )
 
-    def run(self, layers: bool, **inputs) -> States:
+    def run(self, every_layer: bool, **inputs) -> States:
         """One pass of the backbone over `inputs` (input_ids, cache, ...); with every layer's hidden states if
-        `layers`."""
-        out = self.backbone(**inputs, use_cache=True, output_hidden_states=layers)
-        return States(out.last_hidden_state, out.hidden_states if layers else None)
+        `every_layer`."""
+        out = self.backbone(**inputs, use_cache=True, output_hidden_states=every_layer)
+        return States(out.last_hidden_state, out.hidden_states if every_layer else None)

@@ -83,7 +83,7 @@ def expected_speedups(heads_path: str, device: str = "cpu", dtype: torch.dtype =
         )
     heads, model, tokenizer = load_with_base(heads_path, device=device, dtype=dtype)
     paths, expected = grow_tree(heads.config.calibration, max_nodes)
-    compiled = compile_pass(model, layers=bool(heads.config.feature_layers))  # the steps as `mtp.load` runs them
+    compiled = compile_pass(model, every_layer=bool(heads.config.feature_layers))  # the steps as `mtp.load` runs them
     key = machine_key(model, heads, compiled, context)
     name = f"{key} | sizes {timed_sizes(paths, 1)}"
     timed_costs = measured("step_seconds.json", name, lambda: measure_steps(model, tokenizer, heads, paths, context,
