@@ -18,6 +18,7 @@ from mtp.decoding.tree import grow_tree
 from mtp.drafters.contract import Drafter
 from mtp.training.data import DrafterDataModule, add_held_out_arguments, held_out
 from mtp.training.module import DrafterModule
+from mtp.training.settings import Drafting
 
 SIZES = (4, 8, 16, 32, 64)
 
@@ -29,10 +30,11 @@ def rank_accuracy(heads_path: str, data: DrafterDataModule, depths: int) -> torc
     config = heads.config
     if heads.max_depth is None:
         config.num_heads = depths
-    module = DrafterModule(config.base_model, config.num_heads, config.num_layers, config.lm_head,
-                         head_type=config.head_type, feature_layers=config.feature_layers or None)  # fmt: skip
+    drafting = Drafting(config.head_type, config.num_heads, config.num_layers, config.lm_head,
+                        feature_layers=config.feature_layers or None)  # fmt: skip
+    module = DrafterModule(config.base_model, drafting)
     heads.check_base(config.base_model, module.base_model, load_tokenizer(config.base_model))
-    module.heads = heads  # its draft vocabulary, if any, comes with its config
+    module.drafter = heads  # its draft vocabulary, if any, comes with its config
     L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False).validate(
         module, datamodule=data, verbose=False
     )

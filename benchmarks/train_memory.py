@@ -19,6 +19,7 @@ from mtp.base import DEFAULT_BASE
 from mtp.training.data import DrafterDataModule
 from mtp.training.memory import estimate, memory_line
 from mtp.training.module import DrafterModule
+from mtp.training.settings import Drafting, Loss
 
 
 class Longest(DrafterDataModule):
@@ -78,9 +79,10 @@ def main() -> None:
     cuda = args.device.startswith("cuda")
     before = resident()
     with tempfile.TemporaryDirectory() as folder:
-        module = DrafterModule(args.base_model, head_type=args.head_type, num_heads=args.num_heads, teacher=True,
-                               draft_vocab=args.draft_vocab, features=folder if args.features else None,
-                               precision=args.precision)  # fmt: skip
+        drafting = Drafting(args.head_type, args.num_heads, draft_vocab=args.draft_vocab)
+        features = folder if args.features else None
+        module = DrafterModule(args.base_model, drafting, Loss(teacher=True), features=features,
+                               precision=args.precision)
         timer = StepTimer()
         trainer = L.Trainer(max_steps=args.steps, accelerator="gpu" if cuda else "cpu", devices=1, logger=False,
                             callbacks=[timer],

@@ -21,6 +21,7 @@ from train_memory import resident  # beside this script
 from mtp.base import DEFAULT_BASE
 from mtp.training.data import DrafterDataModule
 from mtp.training.module import DrafterModule
+from mtp.training.settings import Drafting, Loss
 
 
 class StepTimer(Callback):
@@ -58,8 +59,8 @@ def fit(args, count: int, features: str | None) -> tuple[float, float, int]:
     the first; tokens of the steps but the first)."""
     data = Batches(count, data=args.data, base_model=args.base_model, batch_size=args.batch_size,
                    max_length=args.max_length, val_fraction=0)  # fmt: skip
-    module = DrafterModule(args.base_model, head_type=args.head_type, num_heads=args.num_heads, teacher=True,
-                           draft_vocab=args.draft_vocab, features=features)  # fmt: skip
+    drafting = Drafting(args.head_type, args.num_heads, draft_vocab=args.draft_vocab)
+    module = DrafterModule(args.base_model, drafting, Loss(teacher=True), features=features)
     timer, setup_s = StepTimer(), []
 
     class SetupTimer(Callback):

@@ -8,6 +8,7 @@ from mtp import base
 from mtp.base import DEFAULT_BASE, load_base
 from mtp.training.data import DrafterDataModule
 from mtp.training.module import DrafterModule
+from mtp.training.settings import Drafting
 from tests.conftest import TINY_BASE, TINY_CHAT
 
 
@@ -41,12 +42,12 @@ def test_the_gguf_is_converted_once_and_reused(default):
 
 
 def test_a_few_training_steps_run_on_the_default_model(tmp_path):
-    module = DrafterModule(DEFAULT_BASE, num_heads=2)
+    module = DrafterModule(DEFAULT_BASE, drafter=Drafting(num_heads=2))
     trainer = L.Trainer(max_steps=2, limit_val_batches=1, default_root_dir=tmp_path, logger=False,
                         enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
     trainer.fit(module, DrafterDataModule(TINY_CHAT, DEFAULT_BASE, batch_size=2))
     assert trainer.global_step == 2 and torch.isfinite(trainer.callback_metrics["train/loss"])
-    assert module.heads.config.hidden_size == 576 and module.heads.config.vocab_size == 49152
+    assert module.drafter.config.hidden_size == 576 and module.drafter.config.vocab_size == 49152
 
 
 def test_a_saved_folder_loads_the_same_model(tiny, tmp_path):

@@ -58,7 +58,7 @@ def test_fast_dev_run_of_the_tiny_recipe_trains_and_validates_one_batch_and_writ
     cli = main(["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.fast_dev_run", "true",
                 "--trainer.logger.init_args.save_dir", str(tmp_path),
                 "--trainer.default_root_dir", str(tmp_path)])  # fmt: skip
-    trained = [p for p in cli.model.heads.parameters() if p.requires_grad]
+    trained = [p for p in cli.model.drafter.parameters() if p.requires_grad]
     assert cli.trainer.global_step == 1 and len(cli.trainer.optimizers[0].state) == len(trained)  # one AdamW update
     # of every trainable parameter (a training step that returned no loss would still count a step, but update none)
     metrics = cli.trainer.callback_metrics
@@ -67,7 +67,7 @@ def test_fast_dev_run_of_the_tiny_recipe_trains_and_validates_one_batch_and_writ
 
 
 def test_command_line_overrides_reach_the_model(tmp_path):
-    run = tiny_run(tmp_path, "--trainer.max_steps", "2", "--model.num_heads", "2", "--model.lm_head", "shared")
+    run = tiny_run(tmp_path, "--trainer.max_steps", "2", "--model.drafter.num_heads", "2", "--model.drafter.lm_head", "shared")
     heads = yaml.safe_load((run / "heads" / "config.json").read_text())
     assert (
         heads["num_heads"] == 2
@@ -79,7 +79,7 @@ def test_command_line_overrides_reach_the_model(tmp_path):
 def trained_parameters(cli) -> list[torch.Tensor]:
     """What the optimizer updates, after it checked that each is one of the drafter's trainable parameters."""
     trained = [p for optimizer in cli.trainer.optimizers for group in optimizer.param_groups for p in group["params"]]
-    assert {id(p) for p in trained} == {id(p) for p in cli.model.heads.parameters() if p.requires_grad}
+    assert {id(p) for p in trained} == {id(p) for p in cli.model.drafter.parameters() if p.requires_grad}
     return trained
 
 
@@ -90,9 +90,9 @@ def trained_parameters(cli) -> list[torch.Tensor]:
 def test_the_base_loads_in_the_precisions_compute_dtype_and_the_drafter_trains_in_float32(tmp_path, precision, kind,
                                                                                           draft_vocab):  # fmt: skip
     """Every parameter the optimizer holds is float32, the draft vocabulary's lm_head (made in setup) included."""
-    vocab = ["--model.draft_vocab", str(draft_vocab)] if draft_vocab else []
+    vocab = ["--model.drafter.draft_vocab", str(draft_vocab)] if draft_vocab else []
     cli = main(["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.precision", precision,
-                "--model.head_type", kind, *vocab, "--trainer.max_steps", "2",
+                "--model.drafter.head_type", kind, *vocab, "--trainer.max_steps", "2",
                 "--trainer.logger.init_args.save_dir", str(tmp_path),
                 "--trainer.enable_progress_bar", "false"])  # fmt: skip
     dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float32
@@ -160,12 +160,13 @@ def free_port() -> int:
 
 def two_nodes(folders: list[Path]) -> list[subprocess.CompletedProcess]:
     """The tiny recipe with the eagle drafter and features on disk, 3 steps, launched as on two nodes of one process
-    each (two torchrun agents on this machine), node n writing in `folders[n]` (the same folder for both: one both nodes see)."""
+    each (two torchrun agents on this machine), node n writing in `folders[n]` (the same folder for both: one both
+    nodes see)."""
     port, agents = free_port(), []
     for node, folder in enumerate(folders):
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                    "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-                   "train.py", "fit", "--config", "configs/tiny.yaml", "--model.head_type", "eagle",
+                   "train.py", "fit", "--config", "configs/tiny.yaml", "--model.drafter.head_type", "eagle",
                    "--model.features", str(folder / "features"), "--trainer.accelerator", "cpu",
                    "--trainer.devices", "1", "--trainer.strategy", "ddp", "--trainer.max_steps", "3",
                    "--trainer.enable_progress_bar", "false",
@@ -184,7 +185,7 @@ def test_two_nodes_train_as_two_processes_on_one_and_stop_at_once_on_node_local_
     work with one line naming the folders (it used to abort one node and leave the other waiting 300 s)."""
     together = two_nodes([tmp_path / "together"] * 2)
     assert all(node.returncode == 0 for node in together), together[1].stderr[-3000:]
-    command = [sys.executable, "train.py", "fit", "--config", "configs/tiny.yaml", "--model.head_type", "eagle",
+    command = [sys.executable, "train.py", "fit", "--config", "configs/tiny.yaml", "--model.drafter.head_type", "eagle",
                "--model.features", str(tmp_path / "one" / "features"), "--trainer.accelerator", "cpu",
                "--trainer.devices", "2", "--trainer.strategy", "ddp", "--trainer.max_steps", "3",
                "--trainer.enable_progress_bar", "false",
@@ -218,9 +219,9 @@ def test_every_gpu_recipe_instantiates_and_runs_a_step_with_the_tiny_model_swapp
                 "--trainer.default_root_dir", str(tmp_path)])  # fmt: skip
     assert cli.trainer.state.finished and cli.trainer.global_step == 1
     assert {p.dtype for p in trained_parameters(cli)} == {torch.float32}  # under the recipe's bf16-mixed
-    heads = cli.model.heads.config
-    assert heads.num_heads == recipe["model"]["num_heads"] and heads.lm_head == recipe["model"]["lm_head"]
-    assert heads.head_type == recipe["model"].get("head_type", "medusa")
+    made, asked = cli.model.drafter.config, recipe["model"]["drafter"]
+    assert made.num_heads == asked["num_heads"] and made.lm_head == asked["lm_head"]
+    assert made.head_type == asked.get("head_type", "medusa")
 
 
 def test_the_gpu_check_runs_in_its_cpu_mode(tmp_path):

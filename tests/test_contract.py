@@ -14,6 +14,7 @@ from mtp.drafters.contract import Drafter
 from mtp.tools.simulate import held_out_roots, simulate
 from mtp.training.data import DrafterDataModule
 from mtp.training.module import DrafterModule
+from mtp.training.settings import Drafting, Optim
 from tests.conftest import PROMPT, TINY_BASE, TINY_CHAT, reference, trainer
 
 PATHS = [(0,), (1,), (0, 0), (0, 1), (1, 0)]
@@ -82,17 +83,17 @@ def probe():
 
 
 def test_a_kind_of_drafter_defined_here_trains_saves_sizes_and_decodes_losslessly(tmp_path, probe):
-    module = DrafterModule(TINY_BASE, head_type="probe", num_heads=2, lr=1e-2)
+    module = DrafterModule(TINY_BASE, drafter=Drafting(head_type="probe", num_heads=2), optim=Optim(lr=1e-2))
     base = {name: tensor.clone() for name, tensor in module.base_model.state_dict().items()}
-    before = {name: tensor.clone() for name, tensor in module.heads.state_dict().items()}
+    before = {name: tensor.clone() for name, tensor in module.drafter.state_dict().items()}
     trainer(tmp_path, max_steps=4, limit_val_batches=1).fit(
         module, DrafterDataModule(TINY_CHAT, TINY_BASE, batch_size=4)
     )
-    assert all(not torch.equal(tensor, before[name]) for name, tensor in module.heads.state_dict().items())
+    assert all(not torch.equal(tensor, before[name]) for name, tensor in module.drafter.state_dict().items())
     assert all(torch.equal(tensor, base[name]) for name, tensor in module.base_model.state_dict().items())
     loaded = Drafter.from_pretrained(tmp_path / "heads").eval()
     assert type(loaded) is probe and loaded.config.head_type == "probe"
-    for name, tensor in module.heads.state_dict().items():
+    for name, tensor in module.drafter.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
     model, tokenizer = module.base_model, load_tokenizer(TINY_BASE)
     prompts = [PROMPT, "Repeat after me: one two three, one two three, one two"]

@@ -142,15 +142,18 @@ def test_trained_heads_give_the_base_models_greedy_output(tokenizer, tmp_path, h
 
     from mtp.training.data import DrafterDataModule
     from mtp.training.module import DrafterModule
+    from mtp.training.settings import Drafting, Optim
     from tests.conftest import TINY_CHAT
 
-    module = DrafterModule(TINY_BASE, num_heads=4, lm_head="own", lr=3e-3, head_type=head_type)
+    module = DrafterModule(
+        TINY_BASE, drafter=Drafting(num_heads=4, lm_head="own", head_type=head_type), optim=Optim(lr=3e-3)
+    )
     trainer = L.Trainer(max_steps=30, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path)  # fmt: skip
     trainer.fit(module, DrafterDataModule(TINY_CHAT, TINY_BASE, batch_size=8))
     model = module.base_model
     model.generation_config.eos_token_id = None  # no early stop on either side
-    decoder = Decoder(model, tokenizer, module.heads.eval(), TREE)
+    decoder = Decoder(model, tokenizer, module.drafter.eval(), TREE)
     chats = [[{"role": "user", "content": question}] for question in ("Count from 3 to 20.", "Hi",
              "List 9 days of the week starting with Monday.")]  # fmt: skip
     expected = [reference(model, decoder.encode(messages), 32) for messages in chats]

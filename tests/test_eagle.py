@@ -1,6 +1,8 @@
 """The feature-level drafter: its checkpoint layout, its training-time test against what decoding drafts, its cache
 after acceptance against a fresh run, and its training."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -14,6 +16,7 @@ from mtp.drafters.eagle import EagleProposer
 from mtp.training.data import DrafterDataModule, collate, encode
 from mtp.training.module import DrafterModule
 from mtp.training.rows import read_rows, to_example
+from mtp.training.settings import Drafting, Loss, Optim
 from tests.conftest import PROMPT, TINY_BASE, TINY_CHAT, plain_answer, random_heads, reference, tiny_model, trainer
 
 
@@ -116,21 +119,26 @@ def test_the_drafters_cache_after_acceptance_equals_a_fresh_run_over_the_accepte
 
 
 def test_training_moves_the_drafter_only_and_its_folder_decodes_losslessly(tmp_path, tokenizer):
-    module = DrafterModule(TINY_BASE, head_type="eagle", num_heads=3, lr=1e-2, draft_vocab=100, teacher=True)
+    module = DrafterModule(
+        TINY_BASE,
+        drafter=Drafting(head_type="eagle", num_heads=3, draft_vocab=100),
+        loss=Loss(teacher=True),
+        optim=Optim(lr=1e-2),
+    )
     base_before = {name: tensor.clone() for name, tensor in module.base_model.state_dict().items()}
-    drafter_before = {name: tensor.clone() for name, tensor in module.heads.state_dict().items()}
+    drafter_before = {name: tensor.clone() for name, tensor in module.drafter.state_dict().items()}
     fit = trainer(tmp_path, max_steps=4, limit_val_batches=1)
     fit.fit(module, DrafterDataModule(TINY_CHAT, TINY_BASE, batch_size=4))
     for name, tensor in module.base_model.state_dict().items():
         assert torch.equal(tensor, base_before[name]), name
-    assert module.heads.config.feature_layers == [2]  # a 2-layer base: its last layer's output
-    assert len(module.heads.config.draft_vocab) == 100 and module.heads.config.draft_vocab == sorted(
-        module.heads.config.draft_vocab
+    assert module.drafter.config.feature_layers == [2]  # a 2-layer base: its last layer's output
+    assert len(module.drafter.config.draft_vocab) == 100 and module.drafter.config.draft_vocab == sorted(
+        module.drafter.config.draft_vocab
     )
     for name in ("fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.mlp.down_proj.weight"):
-        assert not torch.equal(module.heads.state_dict()[name], drafter_before[name]), name
+        assert not torch.equal(module.drafter.state_dict()[name], drafter_before[name]), name
     optimised = {id(p) for group in fit.optimizers[0].param_groups for p in group["params"]}
-    assert optimised == {id(p) for p in module.heads.parameters()}
+    assert optimised == {id(p) for p in module.drafter.parameters()}
     loaded = Drafter.from_pretrained(tmp_path / "heads")
     decoder = Decoder(module.base_model, tokenizer, loaded.eval(), Tree.from_paths([(0,), (1,), (0, 0)]))
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
@@ -144,35 +152,37 @@ def test_the_feature_loss_regresses_each_steps_output_onto_the_base_state_that_s
     """By hand, one position at a time: step k's output at entry t + k + 1 (the one that scores token t + k + 2),
     normed, against the base model's last hidden state at t + k + 1, on assistant tokens only, weighted per step."""
     weights, scale = [1.0, 0.5], 3.0
-    module = DrafterModule(TINY_BASE, head_type="eagle", num_heads=2, loss_weights=weights, feature_loss=scale)
+    module = DrafterModule(
+        TINY_BASE, drafter=Drafting(head_type="eagle", num_heads=2), loss=Loss(weights=weights, feature_loss=scale)
+    )
     torch.manual_seed(0)
-    for parameter in module.heads.parameters():
+    for parameter in module.drafter.parameters():
         torch.nn.init.normal_(parameter, std=0.3)
     examples = [encode(tokenizer, to_example(row), 512) for row in read_rows(TINY_CHAT)[:3]]
-    embed, layers = module.base_model.get_input_embeddings(), module.heads.config.feature_layers
+    embed, layers = module.base_model.get_input_embeddings(), module.drafter.config.feature_layers
     sums, counts = [0.0, 0.0], [0, 0]
     for ids, mask in examples:
         out = module.base_model.get_decoder()(input_ids=ids[None], output_hidden_states=True)
         features = torch.cat([out.hidden_states[i] for i in layers], -1)  # (1, T, F)
-        steps = module.heads.unroll(features, ids[None], embed, 2)[:, 0]  # (K, T-1, H): entry j at index j - 1
+        steps = module.drafter.unroll(features, ids[None], embed, 2)[:, 0]  # (K, T-1, H): entry j at index j - 1
         for k in range(2):
             for t in range(len(ids) - k - 2):
                 if mask[t + k + 2]:
-                    normed = module.heads.norm(steps[k, t + k])  # entry t + k + 1
+                    normed = module.drafter.norm(steps[k, t + k])  # entry t + k + 1
                     sums[k] += F.smooth_l1_loss(normed, out.last_hidden_state[0, t + k + 1])
                     counts[k] += 1
     expected = sum(weight * total / count for weight, total, count in zip(weights, sums, counts, strict=True))
     with_regression = module.training_step(collate(examples), 0)
-    module.hparams.feature_loss = 0.0
+    module.loss = replace(module.loss, feature_loss=0.0)
     torch.testing.assert_close(with_regression - module.training_step(collate(examples), 0), scale * expected)
 
 
 @torch.no_grad()
 def test_the_feature_loss_regresses_the_states_any_drafter_projects_and_takes_no_negative_weight(tokenizer):
-    module = DrafterModule(TINY_BASE, head_type="hydra", num_heads=2, feature_loss=2.0)
+    module = DrafterModule(TINY_BASE, drafter=Drafting(head_type="hydra", num_heads=2), loss=Loss(feature_loss=2.0))
     examples = [encode(tokenizer, to_example(row), 512) for row in read_rows(TINY_CHAT)[:2]]
     with_regression = module.training_step(collate(examples), 0)
-    module.hparams.feature_loss = 0.0
+    module.loss = replace(module.loss, feature_loss=0.0)
     assert with_regression > module.training_step(collate(examples), 0)  # new heads' states are not the base's
     with pytest.raises(ValueError, match="feature_loss=-1"):
-        DrafterModule(TINY_BASE, head_type="eagle", num_heads=2, feature_loss=-1.0)
+        DrafterModule(TINY_BASE, drafter=Drafting(head_type="eagle", num_heads=2), loss=Loss(feature_loss=-1.0))

@@ -13,6 +13,7 @@ from mtp.training import features as features_module
 from mtp.training.data import DrafterDataModule
 from mtp.training.features import Features, backbone, key, manifest, write_features
 from mtp.training.module import DrafterModule
+from mtp.training.settings import Drafting, Loss, Optim
 from tests.conftest import TINY_BASE, TINY_CHAT, trainer
 
 LAYERS = [1]  # one layer's states beside the last: (1 + 1) x 64 values a token
@@ -112,7 +113,7 @@ def test_the_loader_reads_each_batchs_states_in_its_worker_and_the_step_reads_no
     data = DrafterDataModule(TINY_CHAT, TINY_BASE, batch_size=8, val_fraction=0.1)
     data.setup("fit")
     data.read_features(features)
-    module = DrafterModule(TINY_BASE, features=str(tmp_path), feature_layers=LAYERS)
+    module = DrafterModule(TINY_BASE, drafter=Drafting(feature_layers=LAYERS), features=str(tmp_path))
     module.features = features  # (as its setup opens them)
     batches = [*data.train_dataloader(), *data.val_dataloader()]
     assert len(batches) == len(data.train_batches) + len(data.val_batches)
@@ -144,13 +145,14 @@ def test_the_base_without_layers_holds_the_whole_bases_embeddings_norm_and_lm_he
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
 def test_training_on_states_from_disk_reaches_online_trainings_weights_without_the_bases_layers(kind, tmp_path):
-    options = {"medusa": {"teacher": True}, "eagle": {"draft_vocab": 60, "feature_layers": LAYERS}}[kind]
+    drafter, loss = {"medusa": (Drafting(num_heads=2), Loss(teacher=True)),
+                     "eagle": (Drafting("eagle", 2, draft_vocab=60, feature_layers=LAYERS), Loss())}[kind]  # fmt: skip
     results, starts = {}, {}
     for folder in (None, tmp_path / "features", tmp_path / "features"):  # online, offline, offline again
         torch.manual_seed(0)
-        module = DrafterModule(TINY_BASE, head_type=kind, num_heads=2, lr=1e-2, warmup_steps=0,
-                               features=None if folder is None else str(folder), **options)  # fmt: skip
-        starts[folder] = {name: w.clone() for name, w in module.heads.state_dict().items()}
+        module = DrafterModule(TINY_BASE, drafter, loss, Optim(lr=1e-2, warmup_steps=0),
+                               features=None if folder is None else str(folder))  # fmt: skip
+        starts[folder] = {name: w.clone() for name, w in module.drafter.state_dict().items()}
         if folder is None:  # online, its states rounded as the disk rounds them: the same inputs, read another way
             whole = module.backbone
             module.backbone = lambda batch, whole=whole: whole(batch).to(torch.bfloat16).float()
@@ -159,7 +161,7 @@ def test_training_on_states_from_disk_reaches_online_trainings_weights_without_t
             parts = {p: p.stat().st_mtime_ns for p in folder.glob("rank-*/part-*.safetensors")}
         data = DrafterDataModule(TINY_CHAT, TINY_BASE, batch_size=8, val_fraction=0)
         trainer(tmp_path / "run", max_steps=-1, max_epochs=3, limit_val_batches=0).fit(module, data)
-        results[len(results)] = module.heads.state_dict()
+        results[len(results)] = module.drafter.state_dict()
     online, offline, again = results.values()
     assert parts and parts == {p: p.stat().st_mtime_ns for p in folder.glob("rank-*/part-*.safetensors")}  # reused
     moved = 0.0

@@ -1,6 +1,7 @@
 import copy
 import json
 import random
+from dataclasses import replace
 from functools import partial
 
 import lightning as L
@@ -15,13 +16,14 @@ from mtp.drafters.heads import MedusaHeads
 from mtp.training.data import DrafterDataModule, collate, encode
 from mtp.training.module import DrafterModule
 from mtp.training.rows import read_rows, to_example
+from mtp.training.settings import Drafting, Loss, Optim
 from tests.conftest import TINY_BASE, TINY_CHAT, head_logits, trainer
 
 
 def test_training_leaves_the_base_untouched_and_optimises_only_the_heads(tmp_path):
-    module = DrafterModule(TINY_BASE, num_heads=3, lm_head="own", lr=1e-2)
+    module = DrafterModule(TINY_BASE, drafter=Drafting(num_heads=3, lm_head="own"), optim=Optim(lr=1e-2))
     base_before = {name: tensor.clone() for name, tensor in module.base_model.state_dict().items()}
-    heads_before = {name: tensor.clone() for name, tensor in module.heads.state_dict().items()}
+    heads_before = {name: tensor.clone() for name, tensor in module.drafter.state_dict().items()}
     fit = trainer(tmp_path, max_steps=5, limit_val_batches=0)
     fit.fit(module, DrafterDataModule(TINY_CHAT, TINY_BASE, batch_size=4))
 
@@ -29,17 +31,26 @@ def test_training_leaves_the_base_untouched_and_optimises_only_the_heads(tmp_pat
         assert torch.equal(tensor, base_before[name]), name
     assert all(not p.requires_grad and p.grad is None for p in module.base_model.parameters())
     assert not module.base_model.training
-    assert any(not torch.equal(t, heads_before[n]) for n, t in module.heads.state_dict().items())  # heads moved
+    assert any(not torch.equal(t, heads_before[n]) for n, t in module.drafter.state_dict().items())  # heads moved
     optimised = {id(p) for group in fit.optimizers[0].param_groups for p in group["params"]}
-    assert optimised == {id(p) for p in module.heads.parameters()}
+    assert optimised == {id(p) for p in module.drafter.parameters()}
 
     checkpoint = torch.load(next((tmp_path / "checkpoints").glob("*.ckpt")), weights_only=True)
-    assert checkpoint["state_dict"] and all(key.startswith("heads.") for key in checkpoint["state_dict"])
+    assert checkpoint["state_dict"] and all(key.startswith("drafter.") for key in checkpoint["state_dict"])
+    # a checkpoint written when the drafter was `heads` resumes into `drafter`
+    state = checkpoint["state_dict"]
+    checkpoint["state_dict"] = {key.replace("drafter.", "heads.", 1): value for key, value in state.items()}
+    torch.save(checkpoint, tmp_path / "before.ckpt")
+    resumed = DrafterModule(TINY_BASE, drafter=Drafting(num_heads=3, lm_head="own"))
+    trainer(tmp_path / "again", max_steps=5, limit_val_batches=0).fit(
+        resumed, DrafterDataModule(TINY_CHAT, TINY_BASE, batch_size=4), ckpt_path=tmp_path / "before.ckpt"
+    )
+    assert all(torch.equal(resumed.drafter.state_dict()[n], t) for n, t in module.drafter.state_dict().items())
     exported = tmp_path / "heads"
     assert sorted(p.name for p in exported.iterdir()) == ["config.json", "model.safetensors"]
-    assert set(load_file(exported / "model.safetensors")) == {f"{k}" for k in module.heads.state_dict()}
+    assert set(load_file(exported / "model.safetensors")) == {f"{k}" for k in module.drafter.state_dict()}
     loaded = MedusaHeads.from_pretrained(exported)
-    assert all(torch.equal(loaded.state_dict()[n], t) for n, t in module.heads.state_dict().items())
+    assert all(torch.equal(loaded.state_dict()[n], t) for n, t in module.drafter.state_dict().items())
 
 
 def cycle_rows(path, rows=40, length=24, seed=0):
@@ -61,10 +72,12 @@ def cycle_rows(path, rows=40, length=24, seed=0):
 @pytest.mark.parametrize("lm_head", ["shared", "own"])
 def test_heads_learn_a_predictable_future_far_above_chance(tmp_path, lm_head):
     data = DrafterDataModule(cycle_rows(tmp_path / "cycle.jsonl"), TINY_BASE, batch_size=8, val_fraction=0.125)
-    module = DrafterModule(TINY_BASE, num_heads=3, lm_head=lm_head, lr=3e-3, warmup_steps=10)
+    module = DrafterModule(
+        TINY_BASE, drafter=Drafting(num_heads=3, lm_head=lm_head), optim=Optim(lr=3e-3, warmup_steps=10)
+    )
     fit = trainer(tmp_path, max_steps=120, check_val_every_n_epoch=None, val_check_interval=120)
     fit.fit(module, data)
-    calibration = module.heads.config.calibration  # rank accuracies of the last validation run, saved with heads
+    calibration = module.drafter.config.calibration  # rank accuracies of the last validation run, saved with heads
     for k in range(3):  # one of 16 words follows: chance is 1/16
         assert fit.callback_metrics[f"val/head{k}_top1"] > 0.75, (k, fit.callback_metrics)
         assert len(calibration[k]) == 10 and calibration[k][0] == pytest.approx(
@@ -93,7 +106,7 @@ class Restored(Callback):
     """The heads' weights, optimizer state and schedule as training starts: after a checkpoint is restored."""
 
     def on_train_start(self, trainer, module):
-        self.heads = {name: tensor.clone() for name, tensor in module.heads.state_dict().items()}
+        self.heads = {name: tensor.clone() for name, tensor in module.drafter.state_dict().items()}
         self.optimizer = copy.deepcopy(trainer.optimizers[0].state_dict())
         self.schedule = trainer.lr_scheduler_configs[0].scheduler.state_dict()
 
@@ -109,7 +122,7 @@ def test_a_run_stopped_midway_resumes_at_the_step_it_reached_with_its_heads_and_
     saved = checkpoint["state_dict"]
 
     module, first, restored = DrafterModule(TINY_BASE), FirstStep(), Restored()
-    fresh = {name: tensor.clone() for name, tensor in module.heads.state_dict().items()}
+    fresh = {name: tensor.clone() for name, tensor in module.drafter.state_dict().items()}
     resumed = trainer(tmp_path, 8, [ModelCheckpoint(**every_2), first, restored], limit_val_batches=0)
     resumed.fit(
         module, DrafterDataModule(TINY_CHAT, TINY_BASE, batch_size=4), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt")
@@ -117,7 +130,7 @@ def test_a_run_stopped_midway_resumes_at_the_step_it_reached_with_its_heads_and_
     assert first.first == 4 and resumed.global_step == 8
     # Not only the step counter: the heads restart from the saved weights (strict_loading=False would hide a key
     # mismatch), which are not the fresh ones, and AdamW from its saved moments, step count and learning rate.
-    heads = {key.removeprefix("heads."): value for key, value in saved.items() if key.startswith("heads.")}
+    heads = {key.removeprefix("drafter."): value for key, value in saved.items() if key.startswith("drafter.")}
     assert heads.keys() == restored.heads.keys() == fresh.keys()
     assert all(torch.equal(restored.heads[name], tensor) for name, tensor in heads.items())
     assert not all(torch.equal(fresh[name], tensor) for name, tensor in heads.items())
@@ -152,21 +165,21 @@ def test_a_resumed_run_trains_on_the_batches_and_reaches_the_weights_of_a_run_ne
     data = partial(DrafterDataModule, TINY_CHAT, TINY_BASE, batch_size=4)
     fit = partial(trainer, tmp_path, 28, val_check_interval=4, limit_val_batches=1)
     L.seed_everything(0)
-    whole, never_stopped = Seen(), DrafterModule(TINY_BASE, lr=1e-2)
+    whole, never_stopped = Seen(), DrafterModule(TINY_BASE, optim=Optim(lr=1e-2))
     fit([whole], enable_checkpointing=False).fit(never_stopped, data())
     L.seed_everything(0)
     stopped = Seen()
     with pytest.raises(RuntimeError, match="simulated crash"):
         checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, **saved)
-        fit([checkpoints, stopped, Crash(crash)]).fit(DrafterModule(TINY_BASE, lr=1e-2), data())
-    resumed, module = Seen(), DrafterModule(TINY_BASE, lr=1e-2)
+        fit([checkpoints, stopped, Crash(crash)]).fit(DrafterModule(TINY_BASE, optim=Optim(lr=1e-2)), data())
+    resumed, module = Seen(), DrafterModule(TINY_BASE, optim=Optim(lr=1e-2))
     fit([resumed], enable_checkpointing=False).fit(module, data(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     epochs = [[ids for epoch, ids in whole.batches if epoch == e] for e in (0, 1)]
     assert len(epochs[0]) == 16 and len({str(ids) for ids in epochs[0]}) == 16 and epochs[1] != epochs[0][:12]
     last = crash - 2 if not saved else crash  # the step of the last checkpoint
     assert stopped.batches[:last] + resumed.batches == whole.batches
-    for name, weight in never_stopped.heads.state_dict().items():
-        torch.testing.assert_close(module.heads.state_dict()[name], weight, rtol=0, atol=1e-6, msg=name)
+    for name, weight in never_stopped.drafter.state_dict().items():
+        torch.testing.assert_close(module.drafter.state_dict()[name], weight, rtol=0, atol=1e-6, msg=name)
 
 
 def test_a_checkpoint_taken_mid_epoch_on_two_processes_does_not_resume_on_one():
@@ -180,8 +193,8 @@ def test_a_checkpoint_taken_mid_epoch_on_two_processes_does_not_resume_on_one():
 
 
 def test_loss_weights_must_match_the_number_of_heads():
-    with pytest.raises(ValueError, match="loss_weights has 2 entries for 4 heads"):
-        DrafterModule(TINY_BASE, num_heads=4, loss_weights=[1.0, 0.5])
+    with pytest.raises(ValueError, match="loss weights has 2 entries for 4 heads"):
+        DrafterModule(TINY_BASE, drafter=Drafting(num_heads=4), loss=Loss(weights=[1.0, 0.5]))
 
 
 def hand_loss(module: DrafterModule, examples, weights: list[float], draft: list[int] | None = None) -> torch.Tensor:
@@ -191,7 +204,7 @@ def hand_loss(module: DrafterModule, examples, weights: list[float], draft: list
     sums, counts = [0.0] * len(weights), [0] * len(weights)
     for ids, mask in examples:
         hidden = module.base_model.get_decoder()(input_ids=ids[None]).last_hidden_state[0]  # (T, H)
-        logits = module.heads(hidden, module.base_model.get_output_embeddings())  # (K, T, V)
+        logits = module.drafter(hidden, module.base_model.get_output_embeddings())  # (K, T, V)
         for k in range(len(weights)):
             for t in range(len(ids) - k - 2):
                 target = int(ids[t + k + 2])
@@ -208,12 +221,12 @@ def hand_loss(module: DrafterModule, examples, weights: list[float], draft: list
 @torch.no_grad()
 def test_the_training_loss_is_the_hand_computed_one_on_assistant_tokens_at_t_plus_k_plus_2():
     """The module's real training step on chat rows pins: only loss-mask (assistant) tokens are targets, not
-    every attended token; head k at position t is scored against token t+k+2; explicit loss_weights weight each
+    every attended token; head k at position t is scored against token t+k+2; explicit loss weights weight each
     head's loss as given."""
     weights = [1.0, 0.5, 2.0]  # neither the default decay nor decreasing
-    module = DrafterModule(TINY_BASE, num_heads=3, lm_head="own", loss_weights=weights)
+    module = DrafterModule(TINY_BASE, drafter=Drafting(num_heads=3, lm_head="own"), loss=Loss(weights=weights))
     torch.manual_seed(0)
-    for parameter in module.heads.parameters():  # heads that differ from each other and from the base lm_head
+    for parameter in module.drafter.parameters():  # heads that differ from each other and from the base lm_head
         torch.nn.init.normal_(parameter, std=0.3)
     tokenizer = load_tokenizer(TINY_BASE)
     examples = [encode(tokenizer, to_example(row), 512) for row in read_rows(TINY_CHAT)[:3]]
@@ -227,10 +240,10 @@ def test_hydra_heads_read_the_true_tokens_after_t_and_the_teacher_is_the_base_mo
     """By hand, one position at a time: a Hydra head k at t reads the input embeddings of tokens t+1 .. t+k+1;
     with `teacher`, head k learns the base model's own distribution at t+k+1 (its prediction of token t+k+2)."""
     weights = [1.0, 0.5]
-    module = DrafterModule(TINY_BASE, num_heads=2, lm_head="own", loss_weights=weights, head_type=head_type,
-                         teacher=teacher)  # fmt: skip
+    drafting = Drafting(head_type, num_heads=2, lm_head="own")
+    module = DrafterModule(TINY_BASE, drafting, Loss(weights=weights, teacher=teacher))
     torch.manual_seed(0)
-    for parameter in module.heads.parameters():
+    for parameter in module.drafter.parameters():
         torch.nn.init.normal_(parameter, std=0.3)
     tokenizer = load_tokenizer(TINY_BASE)
     examples = [encode(tokenizer, to_example(row), 512) for row in read_rows(TINY_CHAT)[:3]]
@@ -242,7 +255,7 @@ def test_hydra_heads_read_the_true_tokens_after_t_and_the_teacher_is_the_base_mo
             for t in range(len(ids) - k - 2):
                 if mask[t + k + 2]:
                     following = embed(ids[t + 1 : t + k + 2])[None]  # (1, k+1, H): tokens t+1 .. t+k+1
-                    logits = head_logits(module.heads, k, hidden[t][None], lm_head, following)[0]  # (V,)
+                    logits = head_logits(module.drafter, k, hidden[t][None], lm_head, following)[0]  # (V,)
                     target = lm_head(hidden[t + k + 1]).softmax(-1) if teacher else ids[t + k + 2]
                     sums[k] += F.cross_entropy(logits, target)
                     counts[k] += 1
@@ -253,15 +266,15 @@ def test_hydra_heads_read_the_true_tokens_after_t_and_the_teacher_is_the_base_mo
 @torch.no_grad()
 @pytest.mark.parametrize("lm_head", ["shared", "own"])
 def test_with_a_draft_vocabulary_the_loss_ranks_its_tokens_only_and_a_target_outside_it_is_a_miss(lm_head):
-    module = DrafterModule(TINY_BASE, num_heads=2, lm_head=lm_head)
+    module = DrafterModule(TINY_BASE, drafter=Drafting(num_heads=2, lm_head=lm_head))
     torch.manual_seed(0)
-    for parameter in module.heads.parameters():
+    for parameter in module.drafter.parameters():
         torch.nn.init.normal_(parameter, std=0.3)
     tokenizer = load_tokenizer(TINY_BASE)
     examples = [encode(tokenizer, to_example(row), 512) for row in read_rows(TINY_CHAT)[:3]]
     targets = sorted({int(token) for ids, mask in examples for token in ids[mask]})
-    draft = targets[::2] + [module.heads.config.vocab_size - 1]  # half the targets, and a token that is none
-    module.heads.config.draft_vocab = draft
+    draft = targets[::2] + [module.drafter.config.vocab_size - 1]  # half the targets, and a token that is none
+    module.drafter.config.draft_vocab = draft
     expected = hand_loss(module, examples, [1.0, 0.8], draft)
     torch.testing.assert_close(module.training_step(collate(examples), 0), expected)
 
@@ -269,7 +282,7 @@ def test_with_a_draft_vocabulary_the_loss_ranks_its_tokens_only_and_a_target_out
     hits = positions = 0  # head 0's top-1 accuracy by hand: a target outside the draft vocabulary is a miss
     for ids, mask in examples:
         hidden = module.base_model.get_decoder()(input_ids=ids[None]).last_hidden_state[0]  # (T, H)
-        best = module.heads(hidden, module.base_model.get_output_embeddings())[0][:, draft].argmax(-1)  # (T,)
+        best = module.drafter(hidden, module.base_model.get_output_embeddings())[0][:, draft].argmax(-1)  # (T,)
         for t in range(len(ids) - 2):
             if mask[t + 2]:
                 hits, positions = hits + (draft[best[t]] == ids[t + 2]), positions + 1
@@ -289,7 +302,7 @@ class LearningRates(Callback):
 
 def test_the_learning_rate_warms_up_linearly_then_decays_along_a_cosine(tmp_path):
     rates = LearningRates()
-    module = DrafterModule(TINY_BASE, num_heads=1, lr=1e-2, warmup_steps=3)
+    module = DrafterModule(TINY_BASE, drafter=Drafting(num_heads=1), optim=Optim(lr=1e-2, warmup_steps=3))
     data = DrafterDataModule(TINY_CHAT, TINY_BASE, batch_size=8)
     trainer(tmp_path, 10, [rates], limit_val_batches=0).fit(module, data)
     # steps 0-2: (step + 1) / 4 of the peak; steps 3-9: (1 + cos(pi * (step - 3) / 7)) / 2, cos(pi/7) = 0.90097,
@@ -299,23 +312,23 @@ def test_the_learning_rate_warms_up_linearly_then_decays_along_a_cosine(tmp_path
 
 
 def test_the_draft_vocabulary_is_the_most_frequent_training_targets_and_is_saved(tmp_path):
-    module = DrafterModule(TINY_BASE, num_heads=2, draft_vocab=20)
+    module = DrafterModule(TINY_BASE, drafter=Drafting(num_heads=2, draft_vocab=20))
     data = DrafterDataModule(TINY_CHAT, TINY_BASE, batch_size=8)
     trainer(tmp_path, 2, [], limit_val_batches=0).fit(module, data)
     targets = torch.cat([ids[mask] for ids, mask in data.train_examples])
-    counts = torch.bincount(targets, minlength=module.heads.config.vocab_size)
-    draft = module.heads.config.draft_vocab
+    counts = torch.bincount(targets, minlength=module.drafter.config.vocab_size)
+    draft = module.drafter.config.draft_vocab
     assert len(draft) == 20 == len(set(draft)) and counts[draft].min() >= counts.sort(descending=True).values[19]
     (saved,) = tmp_path.rglob("heads/config.json")
     assert json.loads(saved.read_text())["draft_vocab"] == draft
     with pytest.raises(ValueError, match="draft_vocab=-1"):
-        DrafterModule(TINY_BASE, draft_vocab=-1)
+        DrafterModule(TINY_BASE, drafter=Drafting(draft_vocab=-1))
 
 
-@pytest.mark.parametrize("head_type, options", [("hydra", {"teacher": True, "lm_head": "own"}),
-                                                ("eagle", {"feature_loss": 0.5})])  # fmt: skip
-def test_the_loss_over_chunks_of_positions_and_its_gradients_equal_the_loss_over_all_at_once(head_type, options):
-    """`loss_chunk` bounds the loss's memory (a chunk's logits are recomputed in the backward pass): the loss, its
+@pytest.mark.parametrize("drafter, objective", [(Drafting(head_type="hydra", lm_head="own"), {"teacher": True}),
+                                          (Drafting(head_type="eagle"), {"feature_loss": 0.5})])  # fmt: skip
+def test_the_loss_over_chunks_of_positions_and_its_gradients_equal_the_loss_over_all_at_once(drafter, objective):
+    """`loss.chunk` bounds the loss's memory (a chunk's logits are recomputed in the backward pass): the loss, its
     gradients and the accuracies must not change, over the draft vocabulary too."""
     tokenizer = load_tokenizer(TINY_BASE)
     examples = [encode(tokenizer, to_example(row), 512) for row in read_rows(TINY_CHAT)[:4]]
@@ -323,13 +336,13 @@ def test_the_loss_over_chunks_of_positions_and_its_gradients_equal_the_loss_over
     found = []
     for chunk in (100_000, 7):  # one chunk; many (the batch has hundreds of positions)
         torch.manual_seed(0)
-        module = DrafterModule(TINY_BASE, num_heads=3, head_type=head_type, loss_chunk=chunk, **options)
-        for parameter in module.heads.parameters():
+        module = DrafterModule(TINY_BASE, drafter=replace(drafter, num_heads=3), loss=Loss(chunk=chunk, **objective))
+        for parameter in module.drafter.parameters():
             torch.nn.init.normal_(parameter, std=0.3)
-        module.heads.set_draft_vocab(list(range(0, module.heads.config.vocab_size, 3)), module.base_model)
+        module.drafter.set_draft_vocab(list(range(0, module.drafter.config.vocab_size, 3)), module.base_model)
         loss = module.training_step(batch, 0)
         loss.backward()
-        gradients = {name: p.grad.clone() for name, p in module.heads.named_parameters() if p.grad is not None}
+        gradients = {name: p.grad.clone() for name, p in module.drafter.named_parameters() if p.grad is not None}
         accuracy = {name: float(metric.compute()) for name, metric in module.metrics.items() if metric.update_count}
         found.append((loss.detach(), gradients, accuracy))
     (loss, gradients, accuracy), (chunked, chunked_gradients, chunked_accuracy) = found

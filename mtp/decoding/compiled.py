@@ -154,8 +154,9 @@ class CompiledPass:
         start = time.perf_counter()
         context = 8
         prefill = DynamicCache()
-        self.target.run(self.every_layer, input_ids=torch.zeros(1, context, dtype=torch.long, device=self.target.device),
-                        cache=prefill)  # fmt: skip  (with the layers' states: transformers hooks them now, not traced)
+        tokens = torch.zeros(1, context, dtype=torch.long, device=self.target.device)
+        # (with the layers' states: transformers hooks them now, not traced)
+        self.target.run(self.every_layer, input_ids=tokens, cache=prefill)
         print(f"mtp: compiling the verification pass for {', '.join(map(str, self.buckets))} nodes on "
               f"{self.target.device.type} (once per process; kernels kept in {os.environ[INDUCTOR_DIR]})",
               end="", file=sys.stderr, flush=True)  # fmt: skip

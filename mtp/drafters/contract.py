@@ -183,7 +183,7 @@ class Drafter(nn.Module, metaclass=ABCMeta):
     def project(self, states: torch.Tensor, base_lm_head: nn.Module) -> torch.Tensor:
         """The logits of every step's states (K, ..., H), over the whole vocabulary (K, ..., V), or over the draft
         vocabulary (K, ..., D) when it has one; base_lm_head: the base model's lm_head. Training calls it on a
-        chunk of positions at a time (`DrafterModule.loss_chunk`)."""
+        chunk of positions at a time (`model.loss.chunk` of a recipe)."""
 
     @abstractmethod
     def path_guesses(self, hidden, features, input_ids, base_lm_head, embed, k: int) -> torch.Tensor:

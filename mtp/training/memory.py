@@ -25,16 +25,16 @@ def estimate(module, batch_size: int, length: int) -> dict[str, int]:
     the step's activations, the larger of the base's pass (no gradients: the hidden states it keeps, one layer's
     attention and MLP) and the drafter's (its states, what autograd keeps for the backward pass, measured on one
     sequence of `length` random tokens and scaled by the batch, and one loss chunk's logits)."""
-    base, heads = module.base_model, module.heads
+    base, drafter = module.base_model, module.drafter
     config = base.config.get_text_config(decoder=True)
-    width, size = heads.config.hidden_size, torch.finfo(base.dtype).bits // 8
-    layers = heads.config.feature_layers
+    width, size = drafter.config.hidden_size, torch.finfo(base.dtype).bits // 8
+    layers = drafter.config.feature_layers
     positions = batch_size * length
     trainable = [p for p in module.parameters() if p.requires_grad]
     found = {
         "base": sum(t.numel() * t.element_size() for t in [*base.parameters(), *base.buffers()]),
         "drafter": sum(4 * p.numel() * p.element_size() for p in trainable)  # weights, gradients, AdamW's 2 moments
-        + sum(t.numel() * t.element_size() for t in heads.buffers()),
+        + sum(t.numel() * t.element_size() for t in drafter.buffers()),
     }
     states = positions * (len(layers) + 1) * width  # values of the hidden states the drafter reads
     if module.features is None:  # the base's pass: every layer's output when some are read, one layer's work
@@ -44,19 +44,19 @@ def estimate(module, batch_size: int, length: int) -> dict[str, int]:
         first = kept + attention + mlp + states * size
     else:  # read from disk, then in the compute dtype
         first = states * (DTYPE.itemsize + size)
-    device = next(heads.parameters()).device
+    device = next(drafter.parameters()).device
     with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]):
         torch.manual_seed(0)
         sample = torch.randn(1, length, (len(layers) + 1) * width, device=device, dtype=base.dtype)
-        input_ids = torch.randint(heads.config.vocab_size, (1, length), device=device)
+        input_ids = torch.randint(drafter.config.vocab_size, (1, length), device=device)
     keep = torch.ones(1, length, dtype=torch.bool, device=device)
     embed = base.get_input_embeddings()
     with module.trainer.precision_plugin.forward_context():  # as a training step runs it (autocast under *-mixed)
         drafter_pass = batch_size * saved_bytes(
-            lambda: heads.teacher_forced(sample[..., -width:], sample[..., :-width], input_ids, keep, embed)
+            lambda: drafter.teacher_forced(sample[..., -width:], sample[..., :-width], input_ids, keep, embed)
         )
-    rows = heads.config.vocab_size if heads.config.draft_vocab is None else len(heads.config.draft_vocab)
-    chunk = min(positions, module.hparams.loss_chunk)
+    rows = drafter.config.vocab_size if drafter.config.draft_vocab is None else len(drafter.config.draft_vocab)
+    chunk = min(positions, module.loss.chunk)
     loss = 4 * len(module.weights) * chunk * rows * 4  # float32 logits, their softmax, the teacher's two
     second = states * size + len(module.weights) * positions * width * 4 + drafter_pass + loss
     found["activations"] = max(first, second)
