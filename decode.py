@@ -145,7 +145,7 @@ def report(asked: tuple[int, int, str], result: GenerationResult, args, totals: 
         print(json.dumps({"conversation": conversation, "turn": turn_number, "prompt": turn, "text": result.text,
                           "tokens": len(result.token_ids), "forward_passes": result.forward_passes,
                           "tau": round(result.tau, 3),
-                          "lookup_accepted": result.lookup_accepted, "finish_reason": result.finish_reason,
+                          "acceptance": result.acceptance.report(), "finish_reason": result.finish_reason,
                           "stop_sequence": result.stop_sequence,
                           "tokens_per_second": round(result.tokens_per_second, 2)}), flush=True)  # fmt: skip
     elif not streamed:

@@ -32,5 +32,8 @@ import json
 run = json.load(open("runs/demo/bench.json"))
 overall, settings = run["summary"]["overall"], run["settings"]
 print(f"\nMeasured here ({settings['device_name']}), mtp with the shipped heads ({settings['plan']}): "
-      f"tau {overall['tau']:.2f}, {overall['speedup_vs_fastest_plain']:.2f}x the fastest plain decoder.")
+      f"tau {overall['tau']['mtp']:.2f}, {overall['speedup']['fastest_plain']:.2f}x the fastest plain decoder.")
+acceptance = overall["acceptance"]
+print("Share of passes that accepted a candidate at depth 1, 2, ...:",
+      ", ".join(f"{rate:.0%}" for rate in acceptance["rate_at_depth"]) or "none", "; by drafter:", acceptance["by_source"])
 FIGURE

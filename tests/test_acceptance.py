@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import mtp.decoding.acceptance
-from mtp.decoding.acceptance import accept_exact, accept_greedy, accept_typical
+from mtp.decoding.acceptance import Acceptance, accept_exact, accept_greedy, accept_typical
 from mtp.decoding.sampling import Sampling
 from mtp.decoding.tree import Tree
 
@@ -200,3 +200,23 @@ def test_typical_acceptance_keeps_the_likeliest_of_the_longest_paths_and_draws_a
     for _ in range(5):
         nodes, bonus = typical(tree, rows, [9, 0, 1, 2, 3], Sampling(temperature=1.0))
         assert nodes == [0, 2, 4] and bonus == 5  # log(0.3 * 0.5) > log(0.4 * 0.2): the second path, not the first
+
+
+def test_the_acceptance_record_counts_passes_depths_and_sources_and_adds_up():
+    one, other = Acceptance(), Acceptance()
+    one.add(3, {"heads": 2})  # two candidates and the bonus token
+    one.add(1, {})
+    other.add(4, {"heads": 1, "lookup": 2})
+    both = one + other
+    assert both.lengths == [3, 1, 4] and both.passes == 3 and both.accepted == 5
+    assert both.by_source == {"heads": 3, "lookup": 2} and one.by_source == {"heads": 2}  # adding changes neither
+    assert both.at_depth() == [2, 2, 1]  # a candidate at depth 1 in two passes, at depth 3 in one
+    assert both.report() == {
+        "passes": 3,
+        "accepted": 5,
+        "tokens_per_pass": round(8 / 3, 4),
+        "at_depth": [2, 2, 1],
+        "rate_at_depth": [0.6667, 0.6667, 0.3333],
+        "by_source": {"heads": 3, "lookup": 2},
+    }
+    assert Acceptance().report()["at_depth"] == [] and Acceptance().report()["tokens_per_pass"] == 0

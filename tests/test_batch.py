@@ -101,7 +101,7 @@ def test_a_step_over_more_rows_takes_the_tree_planned_for_that_many(tokenizer):
     results = decoder.generate(PROMPTS[:3], max_new_tokens=30, batch_size=2)
     assert [result.token_ids for result in results] == [tokens[:30] for tokens in alone]
     # prompts 0 and 1 step together, a token a pass, and end together; prompt 2 then runs alone on TREE
-    assert results[0].accept_lengths == results[1].accept_lengths == [1] * 29
+    assert results[0].acceptance.lengths == results[1].acceptance.lengths == [1] * 29
     assert results[2].tau > 2.5
 
 

@@ -1,10 +1,12 @@
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
-from mtp.tools.bench import markdown, summarise
+from mtp.decoding.acceptance import Acceptance
+from mtp.tools.bench import Answered, Run, acceptance_line, markdown, summarise
 from tests.conftest import DATA, ROOT, save_random_heads
 
 
@@ -23,23 +25,23 @@ def test_bench_writes_its_json_and_table_and_finds_no_mismatch(tmp_path, samplin
     assert list(report["summary"]) == ["writing", "roleplay", "reasoning", "overall"]  # one per category first
     overall = report["summary"]["overall"]
     greedy = "--temperature" not in sampling
-    assert overall["mismatches"] == (None if not greedy else 0) and overall["questions"] == 3
+    assert overall["mismatches"] == {"mtp": None if not greedy else 0} and overall["questions"] == 3
     questions = report["questions"]
-    assert overall["tokens"] == sum(q["mtp_tokens"] for q in questions) > 0
-    assert overall["tau"] == pytest.approx(overall["tokens"] / sum(q["forward_passes"] for q in questions))
+    ours = [q["runs"]["mtp"] for q in questions]
+    assert overall["tau"]["mtp"] == pytest.approx(sum(r["tokens"] for r in ours) / sum(r["passes"] for r in ours))
     for q in questions:  # an accept length per verification pass; they settle every token but the prefill's one
-        assert q["forward_passes"] == len(q["accept_lengths"]) and 1 + sum(q["accept_lengths"]) >= q["mtp_tokens"]
-    assert {"speedup_vs_plain", "speedup_vs_lookup", "mtp_tokens_per_second"} <= set(overall)
-    assert ("speedup_vs_heads" in overall) is greedy  # mtp with its heads alone, when its lookup is on
+        lengths = q["acceptance"]["lengths"]
+        assert q["runs"]["mtp"]["passes"] == len(lengths) and 1 + sum(lengths) >= q["runs"]["mtp"]["tokens"]
+    assert {"plain", "lookup"} <= set(overall["speedup"]) and overall["tokens_per_second"]["mtp"] > 0
+    assert ("heads" in overall["speedup"]) is greedy  # mtp with its heads alone, when its lookup is on
     # plain generate with mtp's products too, only where they are not the usual ones for one row
-    assert ("speedup_vs_plain_fast" in overall) is report["settings"]["plain_fast"]
-    assert overall["accepted_from_heads"] + overall["accepted_from_lookup"] == sum(
-        sum(q["accept_lengths"]) - q["forward_passes"] for q in questions
-    )
-    assert overall["accepted_from_lookup"] == sum(q["lookup_accepted"] for q in questions)
-    assert not greedy or all(row["heads_tokens"] == row["mtp_tokens"] for row in questions)  # as many tokens
+    assert ("plain_fast" in overall["speedup"]) is report["settings"]["plain_fast"]
+    accepted = [sum(q["acceptance"]["lengths"]) - len(q["acceptance"]["lengths"]) for q in questions]
+    assert overall["acceptance"]["accepted"] == sum(accepted) == sum(overall["acceptance"]["by_source"].values())
+    assert overall["acceptance"]["passes"] == sum(r["passes"] for r in ours)
+    assert not greedy or all(q["runs"]["heads"]["tokens"] == q["runs"]["mtp"]["tokens"] for q in questions)
     # greedy: every output equals plain generate's; sampling: outputs differ by chance, nothing is compared
-    assert all(row["matches_plain"] is (True if greedy else None) for row in report["questions"])
+    assert all(r["matches_plain"] is (True if greedy else None) for r in ours)
     assert report["settings"]["temperature"] == (0.0 if greedy else 0.7)
     assert report["settings"]["repeat"] == (2 if greedy else 1)  # greedy: each decoder timed twice, its best kept
     assert out.with_suffix(".md").read_text().startswith("| category |") and "| overall | 3 |" in done.stdout
@@ -55,75 +57,97 @@ def test_bench_of_batches_measures_each_size_and_finds_mtp_equal_to_each_prompt_
     rows = json.loads(out.read_text())["batches"]
     assert [r["batch_size"] for r in rows] == [1, 2, 4]
     for r in rows:
-        assert r["mismatches_vs_alone"] == 0 and r["mtp_tokens_per_second"] > 0 and r["tau"] >= 1
-        assert r["speedup_vs_plain"] == pytest.approx(r["mtp_tokens_per_second"] / r["plain_tokens_per_second"])
+        speed = r["tokens_per_second"]
+        assert r["mismatches_vs_alone"] == 0 and speed["mtp"] > 0 and r["tau"] >= 1
+        assert r["speedup_vs_plain"] == pytest.approx(speed["mtp"] / speed["plain"])
     assert rows[0]["speedup_vs_mtp_alone"] == 1 and rows[0]["plain_batched_mismatches_vs_alone"] == 0  # B = 1
     assert out.with_suffix(".md").read_text().startswith("| B |") and "| 4 |" in done.stdout
 
 
-def row(passes, tokens, plain, lookup, seconds, accepted, from_lookup, matches=True):
-    """A benchmark row: mtp's forward passes, tokens of mtp, plain and lookup, seconds of mtp, plain and lookup,
+def answered(passes, tokens, plain, lookup, seconds, lengths, from_lookup, matches=True) -> Answered:
+    """A question's answers: mtp's forward passes, tokens of mtp, plain and lookup, seconds of mtp, plain and lookup,
     mtp's accept lengths and its accepted candidates from lookup."""
-    return {"forward_passes": passes, "mtp_tokens": tokens, "plain_tokens": plain, "lookup_tokens": lookup,
-            "mtp_seconds": seconds[0], "plain_seconds": seconds[1], "lookup_seconds": seconds[2],
-            "accept_lengths": accepted, "lookup_accepted": from_lookup, "matches_plain": matches}  # fmt: skip
+    runs = {"plain": Run(plain, seconds[1]), "lookup": Run(lookup, seconds[2]),
+            "mtp": Run(tokens, seconds[0], passes, matches)}  # fmt: skip
+    from_heads = sum(lengths) - len(lengths) - from_lookup
+    return Answered("all", runs, Acceptance(lengths, {"heads": from_heads, "lookup": from_lookup}))
 
 
-ROWS = [row(4, 10, 10, 10, (0.5, 1.0, 0.5), [3, 3, 2, 1], 2),
-        row(6, 20, 14, 20, (1.0, 1.0, 2.5), [4] + [3] * 5, 5, False),
-        row(5, 5, 6, 5, (0.25, 0.5, 0.5), [1] * 5, 0)]  # fmt: skip
+def joined(answers: list[Answered], name: str, run) -> list[Answered]:
+    """`answers` with one more decoder's run, `run(i, answer)`, placed as the decoders run (before mtp, or after)."""
+    placed = []
+    for i, a in enumerate(answers):
+        runs = {**a.runs, name: run(i, a)}
+        if not name.startswith("against_"):
+            runs = {n: runs[n] for n in ("plain", "plain_fast", "plain_compiled", "lookup", "heads", "mtp", *a.runs)
+                    if n in runs}  # fmt: skip
+        placed.append(Answered(a.category, runs, a.acceptance))
+    return placed
+
+
+def unchecked(answers: list[Answered]) -> list[Answered]:
+    """As sampled: nothing compared with plain `generate`."""
+    return joined(answers, "mtp", lambda i, a: replace(a.runs["mtp"], matches_plain=None))
+
+
+ANSWERS = [answered(4, 10, 10, 10, (0.5, 1.0, 0.5), [3, 3, 2, 1], 2),
+           answered(6, 20, 14, 20, (1.0, 1.0, 2.5), [4] + [3] * 5, 5, False),
+           answered(5, 5, 6, 5, (0.25, 0.5, 0.5), [1] * 5, 0)]  # fmt: skip
 
 
 def test_summarise_counts_each_methods_own_tokens_and_only_real_mismatches():
-    summary = summarise(ROWS)
+    summary = summarise(ANSWERS)
     # mtp: 35 tokens in 1.75 s over 15 passes; plain: 30 tokens in 2.5 s; lookup: 35 tokens in 3.5 s
-    assert summary == pytest.approx({
-        "questions": 3, "tokens": 35, "tau": 35 / 15, "mtp_tokens_per_second": 20.0,
-        "plain_tokens_per_second": 12.0, "lookup_tokens_per_second": 10.0, "speedup_vs_plain": 20 / 12,
-        "speedup_vs_lookup": 2.0, "speedup_vs_fastest_plain": 20 / 12, "accepted_from_heads": 11,
-        "accepted_from_lookup": 7, "mismatches": 1,
-    })  # fmt: skip  # candidates: 5 + 13 + 0 accepted, bonus tokens left out; 2 + 5 of them from lookup
-    with_heads = summarise(
-        [{**r, "heads_tokens": r["mtp_tokens"], "heads_seconds": 2 * r["mtp_seconds"]} for r in ROWS]
-    )
-    assert with_heads["heads_tokens_per_second"] == 10.0 and with_heads["speedup_vs_heads"] == 2.0
-    assert summarise([{**r, "matches_plain": None} for r in ROWS])["mismatches"] is None  # sampling: not compared
-    fast = summarise([{**r, "plain_fast_tokens": r["plain_tokens"], "plain_fast_seconds": r["plain_seconds"] / 2}
-                      for r in ROWS])  # fmt: skip
-    assert fast["plain_fast_tokens_per_second"] == 24.0 and fast["speedup_vs_fastest_plain"] == pytest.approx(20 / 24)
-    slow = summarise([{**r, "plain_fast_tokens": r["plain_tokens"], "plain_fast_seconds": r["plain_seconds"] * 2}
-                      for r in ROWS])  # fmt: skip
-    assert slow["speedup_vs_fastest_plain"] == pytest.approx(20 / 12)  # the faster of the two, whichever it is
+    assert summary.questions == 3 and summary.tau == pytest.approx({"mtp": 35 / 15})
+    assert summary.tokens_per_second == pytest.approx({"plain": 12.0, "lookup": 10.0, "mtp": 20.0})
+    assert summary.speedup == pytest.approx({"fastest_plain": 20 / 12, "plain": 20 / 12, "lookup": 2.0})
+    assert summary.mismatches == {"mtp": 1}
+    # candidates: 5 + 13 + 0 accepted, bonus tokens left out; 2 + 5 of them from lookup
+    assert summary.acceptance["accepted"] == 18 and summary.acceptance["by_source"] == {"heads": 11, "lookup": 7}
+    assert summary.acceptance["at_depth"] == [9, 8, 1] and summary.acceptance["passes"] == 15
+    with_heads = summarise(joined(ANSWERS, "heads", lambda i, a: Run(a.runs["mtp"].tokens, 2 * a.runs["mtp"].seconds)))
+    assert with_heads.tokens_per_second["heads"] == 10.0 and with_heads.speedup["heads"] == 2.0
+    assert summarise(unchecked(ANSWERS)).mismatches == {"mtp": None}  # sampling: not compared
+    def plain_fast(scale: float) -> list[Answered]:
+        return joined(ANSWERS, "plain_fast", lambda i, a: Run(a.runs["plain"].tokens, a.runs["plain"].seconds * scale))
+
+    fast = summarise(plain_fast(0.5))
+    assert fast.tokens_per_second["plain_fast"] == 24.0 and fast.speedup["fastest_plain"] == pytest.approx(20 / 24)
+    slow = summarise(plain_fast(2.0))
+    assert slow.speedup["fastest_plain"] == pytest.approx(20 / 12)  # the faster of the two, whichever it is
 
 
 def test_markdown_prints_one_row_per_category_with_the_summary_figures():
-    table = markdown({"a": summarise(ROWS[:1]), "overall": summarise(ROWS)}).splitlines()
+    table = markdown({"a": summarise(ANSWERS[:1]), "overall": summarise(ANSWERS)}).splitlines()
     assert table[0].startswith("| category | questions | tau | mtp tok/s | plain tok/s | lookup tok/s | vs plain |")
     assert table[2] == "| a | 1 | 2.50 | 20.0 | 10.0 | 20.0 | 2.00x | 1.00x | 3 / 2 | 0 |"
     assert table[3] == "| overall | 3 | 2.33 | 20.0 | 12.0 | 10.0 | 1.67x | 2.00x | 11 / 7 | 1 |"
-    sampled = markdown({"overall": summarise([{**r, "matches_plain": None} for r in ROWS])})
+    sampled = markdown({"overall": summarise(unchecked(ANSWERS))})
     assert sampled.splitlines()[-1].endswith("| 2.00x | 11 / 7 | n/a (sampling) |")
-    heads = [{**r, "heads_tokens": r["mtp_tokens"], "heads_seconds": 2 * r["mtp_seconds"]} for r in ROWS]
+    heads = joined(ANSWERS, "heads", lambda i, a: Run(a.runs["mtp"].tokens, 2 * a.runs["mtp"].seconds))
     table = markdown({"overall": summarise(heads)}).splitlines()
     assert "| lookup tok/s | heads tok/s | vs plain | vs lookup | vs heads |" in table[0]
     assert table[2] == "| overall | 3 | 2.33 | 20.0 | 12.0 | 10.0 | 10.0 | 1.67x | 2.00x | 2.00x | 11 / 7 | 1 |"
-    fast = [{**r, "plain_fast_tokens": r["plain_tokens"], "plain_fast_seconds": r["plain_seconds"] / 2} for r in ROWS]
+    fast = joined(ANSWERS, "plain_fast", lambda i, a: Run(a.runs["plain"].tokens, a.runs["plain"].seconds / 2))
     table = markdown({"overall": summarise(fast)}).splitlines()
     assert "| plain tok/s | plain fast tok/s | lookup tok/s | vs fastest plain | vs plain | vs plain fast |" in table[0]
     assert table[2] == "| overall | 3 | 2.33 | 20.0 | 12.0 | 24.0 | 10.0 | 0.83x | 1.67x | 0.83x | 2.00x | 11 / 7 | 1 |"
+    assert "Slower than the fastest plain decoder here: overall." in markdown({"overall": summarise(fast)})
+    assert acceptance_line(summarise(ANSWERS).acceptance) == (
+        "mtp's 15 passes accepted a candidate at depth 1 60%, 2 53%, 3 7%; accepted candidates by drafter: heads 11, "
+        "lookup 7"
+    )
+    assert acceptance_line(Acceptance([1, 1], {}).report()) == "mtp's 2 passes accepted no candidate"
 
 
 def test_other_drafters_are_summarised_beside_mtp_each_with_its_own_tau_and_mismatches():
-    rows = [{**r, "against_1_tokens": r["mtp_tokens"], "against_1_seconds": 4 * r["mtp_seconds"],
-             "against_1_passes": 35, "against_1_matches_plain": i != 0,
-             "against_2_tokens": r["mtp_tokens"], "against_2_seconds": r["mtp_seconds"] / 2,
-             "against_2_passes": 15, "against_2_matches_plain": True}
-            for i, r in enumerate(ROWS)]  # fmt: skip
-    summary = summarise(rows)
-    assert summary["against_1_tokens_per_second"] == 5.0 and summary["speedup_vs_against_1"] == 4.0
-    assert summary["against_1_tau"] == pytest.approx(35 / 105) and summary["against_1_mismatches"] == 1
-    assert summary["speedup_vs_against_2"] == 0.5
-    assert summary["against_2_tau"] == pytest.approx(35 / 45) and summary["against_2_mismatches"] == 0
+    answers = joined(ANSWERS, "against_1", lambda i, a: Run(a.runs["mtp"].tokens, a.runs["mtp"].seconds * 4, 35, i > 0))
+    answers = joined(answers, "against_2", lambda i, a: Run(a.runs["mtp"].tokens, a.runs["mtp"].seconds / 2, 15, True))
+    summary = summarise(answers)
+    assert summary.tokens_per_second["against_1"] == 5.0 and summary.speedup["against_1"] == 4.0
+    assert summary.tau["against_1"] == pytest.approx(35 / 105) and summary.mismatches["against_1"] == 1
+    assert summary.speedup["against_2"] == 0.5
+    assert summary.tau["against_2"] == pytest.approx(35 / 45) and summary.mismatches["against_2"] == 0
     table = markdown({"overall": summary}).splitlines()
     assert "| against 1 tok/s | against 2 tok/s | vs plain | vs lookup | vs against 1 | vs against 2 |" in table[0]
     assert table[0].endswith("| against 1 tau | against 1 mismatches | against 2 tau | against 2 mismatches |")

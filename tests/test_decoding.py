@@ -29,8 +29,8 @@ def test_random_heads_give_the_base_models_greedy_output(model_type, head_type, 
     heads = random_heads(model, head_type=head_type)
     result = Decoder(model, tokenizer, heads, TREE).generate(PROMPT, max_new_tokens=40)
     assert result.token_ids == reference(model, input_ids, 40)
-    assert result.finish_reason == "length" and result.forward_passes == len(result.accept_lengths)
-    assert sum(result.accept_lengths) >= 40 - 1  # every pass settles at least its bonus token
+    assert result.finish_reason == "length" and result.forward_passes == len(result.acceptance.lengths)
+    assert sum(result.acceptance.lengths) >= 40 - 1  # every pass settles at least its bonus token
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral", "phi3", "gpt_neox"])
@@ -41,7 +41,8 @@ def test_oracle_heads_give_the_same_output_in_far_fewer_passes(model_type, token
     oracle = OracleHeads(model, torch.cat([input_ids[0], torch.tensor(expected)]), num_heads=4)
     result = Decoder(model, tokenizer, oracle, TREE).generate(PROMPT, max_new_tokens=40)
     assert result.token_ids == expected[:40]
-    assert sum(n > 1 for n in result.accept_lengths) > 0.8 * len(result.accept_lengths)  # most steps accept more
+    lengths = result.acceptance.lengths
+    assert sum(n > 1 for n in lengths) > 0.8 * len(lengths)  # most steps accept more
     assert result.tau > 3
 
 
@@ -82,7 +83,7 @@ def test_without_heads_the_loop_is_plain_greedy_decoding(tokenizer):
     model = tiny_model()
     result = Decoder(model, tokenizer).generate(PROMPT, max_new_tokens=20)
     assert result.token_ids == reference(model, tokenizer(PROMPT, return_tensors="pt").input_ids, 20)
-    assert result.accept_lengths == [1] * 19 and result.forward_passes == 19
+    assert result.acceptance.lengths == [1] * 19 and result.forward_passes == 19
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["keys-repeated", "keys-grouped"])
@@ -203,7 +204,7 @@ def test_the_shipped_heads_decode_the_first_mt_bench_question_as_plain_greedy_do
     messages = [{"role": "user", "content": question}]
     result = decoder.generate(messages, max_new_tokens=128)
     (expected,), _ = timed_generate(decoder.base_model, [decoder.encode(messages)], 128, GREEDY)  # plain, EOS cut
-    assert result.token_ids == expected and max(result.accept_lengths) > 1  # some guesses were accepted
+    assert result.token_ids == expected and max(result.acceptance.lengths) > 1  # some guesses were accepted
 
 
 def test_the_grouped_keys_switch_holds_for_the_verification_pass_only(monkeypatch):

@@ -124,7 +124,8 @@ def test_a_dynamic_tree_drafts_no_level_its_node_budget_cannot_hold(tokenizer, m
         levels.clear()
         result = Decoder(model, tokenizer, random_heads(model), DynamicTree(nodes, 6, 2)).generate(PROMPT, 12)
         assert DynamicTree(nodes, 6, 2).deepest == deepest and set(levels) == set(range(1, deepest + 1))
-        assert result.token_ids == reference(model, input_ids, 12) and max(result.accept_lengths) <= deepest + 1
+        assert result.token_ids == reference(model, input_ids, 12)
+        assert max(result.acceptance.lengths) <= deepest + 1
 
 
 @pytest.mark.parametrize("head_type", ["hydra", "eagle"])

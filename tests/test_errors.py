@@ -48,8 +48,8 @@ CASES = {
     "sizing without calibration": (mtp.tools.sizing.main, ["--heads", "HEADS"], "has no calibration"),
     "train missing data": (train.main, ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--data.data",
                            "/nowhere/data.jsonl"], "'/nowhere/data.jsonl' does not exist"),
-    "train bad lm_head": (train.main, ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--model.drafter.lm_head",
-                          "tied"], "lm_head='tied': choose 'shared'"),
+    "train bad lm_head": (train.main, ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"),
+                          "--model.drafter.lm_head", "tied"], "lm_head='tied': choose 'shared'"),
     "train flat model key": (train.main, ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--model.lr", "0.1"],
                              "rename model.lr -> model.optim.lr"),
 }  # fmt: skip

@@ -76,10 +76,10 @@ def test_lookup_that_is_always_right_or_always_wrong_changes_the_passes_never_th
     result = Decoder(model, tokenizer, lookup=lookup).generate(PROMPT, max_new_tokens=40)
     assert result.token_ids == expected
     if right:  # six candidates and the bonus token each pass, all from lookup
-        assert result.accept_lengths[:-1] == [7] * (len(result.accept_lengths) - 1)
-        assert result.lookup_accepted == sum(result.accept_lengths) - result.forward_passes
+        assert result.acceptance.lengths[:-1] == [7] * (len(result.acceptance.lengths) - 1)
+        assert result.acceptance.by_source == {"lookup": result.acceptance.accepted}
     else:
-        assert result.accept_lengths == [1] * 39 and result.lookup_accepted == 0
+        assert result.acceptance.lengths == [1] * 39 and result.acceptance.by_source.get("lookup", 0) == 0
 
 
 @pytest.mark.parametrize("head_type", [None, *Drafter.kinds])
@@ -90,7 +90,7 @@ def test_heads_and_lookup_together_give_the_base_models_greedy_output(model_type
     heads = None if head_type is None else random_heads(model, head_type=head_type)
     result = Decoder(model, tokenizer, heads, TREE, Lookup((8, 8, 8))).generate(PROMPT, max_new_tokens=60)
     assert result.token_ids == expected
-    assert result.lookup_accepted > 0  # random models repeat themselves: lookup's own candidates were accepted
+    assert result.acceptance.by_source.get("lookup", 0) > 0  # random models repeat themselves: lookup's were accepted
 
 
 def test_lookup_candidates_near_the_end_of_the_output_stop_at_its_last_position(tokenizer):
@@ -99,4 +99,4 @@ def test_lookup_candidates_near_the_end_of_the_output_stop_at_its_last_position(
     expected = reference(model, input_ids, 11)
     lookup = OracleLookup(input_ids[0].tolist() + expected + [1] * 20, right=True)
     result = Decoder(model, tokenizer, lookup=lookup).generate(PROMPT, max_new_tokens=11)
-    assert result.token_ids == expected and result.accept_lengths == [7, 3]  # 1 + 7 + 3: no node past the end
+    assert result.token_ids == expected and result.acceptance.lengths == [7, 3]  # 1 + 7 + 3: nothing past the end

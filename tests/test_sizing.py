@@ -211,8 +211,8 @@ def test_the_simulation_takes_the_steps_that_decoding_takes(head_type):
         assert steps == sum(result.forward_passes for result in results)
         assert tokens == sum(len(result.token_ids) - 1 for result in results)  # the prefill's root is no step's
         if size == 9 and lengths:  # both drafters had candidates accepted
-            accepted = sum(sum(result.accept_lengths) - result.forward_passes for result in results)
-            assert 0 < sum(result.lookup_accepted for result in results) < accepted
+            accepted = sum(sum(result.acceptance.lengths) - result.forward_passes for result in results)
+            assert 0 < sum(result.acceptance.by_source.get("lookup", 0) for result in results) < accepted
     # dynamic trees: the draft grown at every root, its n most probable nodes for n nodes
     accepts = grown_accepts(model, heads, examples, DynamicTree(9, 4, 2))  # (R, 9)
     assert accepts.shape == (len(roots["left"]), 9) and accepts[:, -1].sum() > 0

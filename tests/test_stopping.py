@@ -40,8 +40,8 @@ def test_eos_inside_an_accepted_block_ends_generation_there(setup, tokenizer):
     finally:
         model.generation_config.eos_token_id = None
     assert result.token_ids == expected[:first] and result.finish_reason == "stop" and result.stop_sequence is None
-    settled = 1 + sum(result.accept_lengths)  # the prefill's token, then every pass's
-    assert settled > first + 1 and result.accept_lengths[-1] > 1  # the last block went on past EOS: cut there
+    settled = 1 + sum(result.acceptance.lengths)  # the prefill's token, then every pass's
+    assert settled > first + 1 and result.acceptance.lengths[-1] > 1  # the last block went on past EOS: cut there
 
 
 def test_max_new_tokens_is_exact_in_the_middle_of_a_block(setup, tokenizer):
@@ -50,7 +50,8 @@ def test_max_new_tokens_is_exact_in_the_middle_of_a_block(setup, tokenizer):
         result = Decoder(model, tokenizer, oracle, TREE).generate(PROMPT, max_new_tokens=limit)
         assert result.token_ids == expected[:limit] and result.finish_reason == "length"
     # the last pass verified only the depths still wanted (1 + 5 + 5 + 2 tokens), not the whole tree
-    assert 1 + sum(result.accept_lengths) == 13 and result.accept_lengths[-1] < result.accept_lengths[0]
+    lengths = result.acceptance.lengths
+    assert 1 + sum(lengths) == 13 and lengths[-1] < lengths[0]
 
 
 def test_max_new_tokens_zero_is_an_empty_result(setup, tokenizer):
@@ -109,7 +110,7 @@ def test_generation_fills_the_context_window_exactly_and_no_further(tokenizer):
     finally:
         hook.remove()
     assert result.token_ids == expected and result.finish_reason == "length"
-    assert max(positions) == 39 and result.accept_lengths[-1] == 1  # the last pass: the root alone, at 39
+    assert max(positions) == 39 and result.acceptance.lengths[-1] == 1  # the last pass: the root alone, at 39
     with pytest.raises(ValueError, match=f"{41 + 1} in all, past the model's context window of 41 tokens: lower "
                                          f"max_new_tokens to at most {room}"):  # fmt: skip
         decoder.generate(PROMPT, max_new_tokens=room + 1)
@@ -154,6 +155,8 @@ def test_decode_py_answers_prompts_as_json_lines(tmp_path):
         assert answer["tokens"] <= 12 and (answer["finish_reason"] == "stop") == (answer["tokens"] < 12)
         assert answer["forward_passes"] == 0 if answer["tokens"] <= 1 else answer["forward_passes"] >= 1
         assert answer["tau"] == round(answer["tokens"] / max(answer["forward_passes"], 1), 3)
+        assert answer["acceptance"]["passes"] == answer["forward_passes"]  # the decoder's acceptance record
+        assert set(answer["acceptance"]) >= {"at_depth", "rate_at_depth", "by_source"}
     assert "tau" in done.stderr and "tokens/s" in done.stderr
 
 

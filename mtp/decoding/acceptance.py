@@ -1,5 +1,6 @@
 """The rules that accept a tree's candidates, in one place: greedy (`accept_greedy`), exact (`accept_exact`)
-and typical (`accept_typical`) acceptance; `accept` picks the one the sampling settings name.
+and typical (`accept_typical`) acceptance; `accept` picks the one the sampling settings name. `Acceptance` records
+what they accepted.
 
 Greedy acceptance keeps, of the tree's root-to-leaf paths, the one with the most leading candidates equal to the
 base model's own prediction at their parent, and adds that prediction after its last: the base model's greedy
@@ -23,10 +24,62 @@ from the processed p at the path's last node. It is faster on flat distributions
 model's distribution: the output is a different, if plausible, sample.
 """
 
+from dataclasses import dataclass, field
+
 import torch
 
 from mtp.decoding.sampling import Sampling
 from mtp.decoding.tree import Tree
+
+
+@dataclass
+class Acceptance:
+    """What verification passes accepted, over one answer or, added up with `+`, over many: the one record the
+    decoder fills (`GenerationResult.acceptance`) and the bench, `decode.py --json`, the demo and the notebook
+    report, as serving engines keep one record of drafts and accepted tokens per position for their metrics."""
+
+    lengths: list[int] = field(default_factory=list)
+    """Tokens each verification pass settled, in order: its accepted candidates and its bonus token."""
+    by_source: dict[str, int] = field(default_factory=dict)
+    """Accepted candidates by the drafter that proposed them (`heads`, `eagle`, `lookup`, ...): a candidate that two
+    drafters proposed counts for the first."""
+
+    def add(self, settled: int, by_source: dict[str, int]) -> None:
+        """One pass that settled `settled` tokens, its accepted candidates proposed as `by_source` says."""
+        self.lengths.append(settled)
+        for name, count in by_source.items():
+            self.by_source[name] = self.by_source.get(name, 0) + count
+
+    def __add__(self, other: "Acceptance") -> "Acceptance":
+        sources = {name: self.by_source.get(name, 0) + other.by_source.get(name, 0)
+                   for name in {**self.by_source, **other.by_source}}  # fmt: skip
+        return Acceptance(self.lengths + other.lengths, sources)
+
+    @property
+    def passes(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def accepted(self) -> int:
+        """Accepted candidates, bonus tokens left out."""
+        return sum(self.lengths) - self.passes
+
+    def at_depth(self) -> list[int]:
+        """Passes that accepted a candidate at depth d (d candidates or more), for d = 1 to the deepest accepted."""
+        return [sum(n - 1 >= depth for n in self.lengths) for depth in range(1, max(self.lengths, default=1))]
+
+    def report(self) -> dict:
+        """The record's figures as plain values (JSON): passes, accepted candidates, tokens per pass, passes and
+        their share that accepted a candidate at each depth, accepted candidates by drafter."""
+        deep = self.at_depth()
+        return {
+            "passes": self.passes,
+            "accepted": self.accepted,
+            "tokens_per_pass": round(sum(self.lengths) / max(self.passes, 1), 4),
+            "at_depth": deep,
+            "rate_at_depth": [round(n / self.passes, 4) for n in deep],
+            "by_source": dict(self.by_source),
+        }
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator) -> int:

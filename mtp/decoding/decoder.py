@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from mtp.decoding.acceptance import Acceptance
 from mtp.decoding.batch import Batch
 from mtp.decoding.compiled import CompiledPass
 from mtp.decoding.lookup import Lookup
@@ -37,18 +38,13 @@ class GenerationResult:
     """`stop` (an EOS token or a stop sequence) or `length` (max_new_tokens reached)."""
     stop_sequence: str | None = None
     """The caller's stop sequence that ended generation, if one did."""
-    forward_passes: int = 0
-    accept_lengths: list[int] = field(default_factory=list)
-    """Tokens accepted per verification pass, the bonus token included."""
-    accepted_by: dict[str, int] = field(default_factory=dict)
-    """Accepted candidates by the drafter that proposed them (`heads`, `eagle`, `lookup`): a candidate that two
-    drafters proposed counts for the first."""
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    """What each verification pass accepted: tokens per pass, candidates by the drafter that proposed them."""
     seconds: float = 0.0
 
     @property
-    def lookup_accepted(self) -> int:
-        """Accepted candidates that prompt lookup proposed and no other drafter did."""
-        return self.accepted_by.get("lookup", 0)
+    def forward_passes(self) -> int:
+        return self.acceptance.passes
 
     @property
     def tau(self) -> float:
@@ -237,10 +233,7 @@ class _Answer:
         """Add the tokens a pass settled (a verification pass, or the prefill); return the text now safe to show."""
         result = self.result
         if verified:
-            result.forward_passes += 1
-            result.accept_lengths.append(len(settled))
-            for name, count in accepted_by.items():
-                result.accepted_by[name] = result.accepted_by.get(name, 0) + count
+            result.acceptance.add(len(settled), accepted_by)
         for token in settled:
             if token in eos_ids:
                 result.finish_reason = "stop"

@@ -20,6 +20,7 @@ import json
 import sys
 import time
 from collections import defaultdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -28,8 +29,9 @@ from tqdm import tqdm
 
 import mtp
 from mtp.base import eos_ids
+from mtp.decoding.acceptance import Acceptance
 from mtp.decoding.costs import describe
-from mtp.decoding.decoder import Decoder
+from mtp.decoding.decoder import Decoder, GenerationResult
 from mtp.decoding.lookup import add_lookup_arguments, lookup_from
 from mtp.decoding.sampling import Sampling, add_sampling_arguments, sampling_from
 from mtp.decoding.tree import TREE_HELP
@@ -38,8 +40,6 @@ from mtp.machine import device_name
 from mtp.tools.cli import user_errors
 from mtp.training.rows import read_rows
 
-# heads: mtp without its prompt lookup, when that is on; the drafters of --against follow as against_1, against_2, ...
-METHODS = ("plain", "plain_fast", "plain_compiled", "lookup", "heads", "mtp")
 # plain `generate` with the usual products, with mtp's (when they differ), and mtp's compiled plain step (when on)
 PLAIN = ("plain", "plain_fast", "plain_compiled")
 
@@ -65,67 +65,126 @@ def timed_generate(model, prompts: list[torch.Tensor], max_new_tokens: int, samp
     return outputs, time.perf_counter() - start
 
 
-def decoders_in(row: dict) -> list[str]:
-    """The decoders timed in a row of results: those of METHODS that ran, in that order, then the --against ones."""
-    names = [key.removesuffix("_seconds") for key in row if key.endswith("_seconds")]
-    return [name for name in METHODS if name in names] + [name for name in names if name.startswith("against_")]
+@dataclass
+class Run:
+    """One decoder's answer to one question."""
+
+    tokens: int
+    seconds: float
+    passes: int | None = None
+    """Verification passes (mtp and the --against drafters; None for `generate`)."""
+    matches_plain: bool | None = None
+    """Whether its tokens equal plain `generate`'s (greedy mtp and --against drafters; None otherwise)."""
 
 
-def summarise(rows: list[dict]) -> dict:
-    """Totals over questions: each method's tokens/s counts its own tokens; mismatches count the questions where
-    mtp's output differs from plain `generate`'s (greedy only; None when sampling)."""
-    tokens, passes = sum(row["mtp_tokens"] for row in rows), sum(row["forward_passes"] for row in rows)
-    speed = {name: sum(row[f"{name}_tokens"] for row in rows) / sum(row[f"{name}_seconds"] for row in rows)
-             for name in decoders_in(rows[0])}  # fmt: skip
-    candidates = sum(sum(row["accept_lengths"]) for row in rows) - passes  # accepted, bonus tokens left out
-    from_lookup = sum(row["lookup_accepted"] for row in rows)
-    return {
-        "questions": len(rows), "tokens": tokens, "tau": tokens / max(passes, 1),
-        **{f"{name}_tokens_per_second": value for name, value in speed.items()},
-        **{f"speedup_vs_{name}": speed["mtp"] / value for name, value in speed.items() if name != "mtp"},
-        "speedup_vs_fastest_plain": speed["mtp"] / max(speed[name] for name in PLAIN if name in speed),
-        "accepted_from_heads": candidates - from_lookup, "accepted_from_lookup": from_lookup,
-        "mismatches": None if rows[0]["matches_plain"] is None else sum(not row["matches_plain"] for row in rows),
-    } | against(rows)  # fmt: skip
+@dataclass
+class Answered:
+    """Every decoder's answer to one question, and what mtp's verification accepted."""
+
+    category: str
+    runs: dict[str, Run]
+    """By decoder: those of METHODS that ran, in that order, then the --against ones (`against_1`, ...)."""
+    acceptance: Acceptance = field(default_factory=Acceptance)
 
 
-def against(rows: list[dict]) -> dict:
-    """The tau and mismatches of each --against drafter."""
-    summary = {}
-    for name in [name for name in decoders_in(rows[0]) if name.startswith("against_")]:
-        passes = sum(row[f"{name}_passes"] for row in rows)
-        matches = [row[f"{name}_matches_plain"] for row in rows]
-        summary[f"{name}_tau"] = sum(row[f"{name}_tokens"] for row in rows) / max(passes, 1)
-        summary[f"{name}_mismatches"] = None if matches[0] is None else matches.count(False)
-    return summary
+@dataclass
+class Summary:
+    """Totals over questions: each decoder's tokens/s counts its own tokens; mismatches count the questions where a
+    decoder's output differs from plain `generate`'s (greedy only; None when sampling)."""
+
+    questions: int
+    tokens_per_second: dict[str, float]
+    speedup: dict[str, float]
+    """mtp's tokens/s over each other decoder's, and over the fastest plain one's (`fastest_plain`)."""
+    tau: dict[str, float]
+    """Tokens per verification pass of mtp and of each --against drafter."""
+    mismatches: dict[str, int | None]
+    acceptance: dict
+    """mtp's `Acceptance.report()`."""
 
 
-def markdown(summary: dict[str, dict]) -> str:
-    speeds = [key.removesuffix("_tokens_per_second") for key in summary["overall"] if key.endswith("_per_second")]
-    others = [name for name in speeds if name != "mtp"]  # in `timed`'s order
+def result_run(result: GenerationResult, plain: list[int] | None) -> Run:
+    """A decoder's run from its `GenerationResult`, compared with plain `generate`'s tokens when greedy."""
+    matches = None if plain is None else result.token_ids == plain
+    return Run(len(result.token_ids), result.seconds, result.forward_passes, matches)
+
+
+def summarise(answers: list[Answered]) -> Summary:
+    names = list(answers[0].runs)
+    speed = {name: sum(a.runs[name].tokens for a in answers) / sum(a.runs[name].seconds for a in answers)
+             for name in names}  # fmt: skip
+    checked = [name for name in names if answers[0].runs[name].passes is not None]  # mtp and the --against ones
+    tau = {name: sum(a.runs[name].tokens for a in answers) / max(sum(a.runs[name].passes for a in answers), 1)
+           for name in checked}  # fmt: skip
+    mismatches = {name: None if answers[0].runs[name].matches_plain is None
+                  else sum(not a.runs[name].matches_plain for a in answers) for name in checked}  # fmt: skip
+    speedup = {"fastest_plain": speed["mtp"] / max(speed[name] for name in PLAIN if name in speed)}
+    speedup |= {name: speed["mtp"] / value for name, value in speed.items() if name != "mtp"}
+    acceptance = sum((a.acceptance for a in answers), Acceptance())
+    return Summary(len(answers), speed, speedup, tau, mismatches, acceptance.report())
+
+
+def table(columns: list[str], rows: list[list]) -> str:
+    """A Markdown table, the first column left-aligned."""
+    lines = ["| " + " | ".join(columns) + " |", "| --- |" + " ---: |" * (len(columns) - 1)]
+    return "\n".join([*lines, *("| " + " | ".join(str(cell) for cell in row) + " |" for row in rows)])
+
+
+def markdown(summary: dict[str, Summary]) -> str:
+    overall = summary["overall"]
+    others = [name for name in overall.tokens_per_second if name != "mtp"]  # in the runs' order
     drafters = [name for name in others if name.startswith("against_")]
     ratios = (["fastest_plain"] if len(set(PLAIN) & set(others)) > 1 else []) + others  # vs the fastest plain first
     columns = ["category", "questions", "tau", *(f"{name.replace('_', ' ')} tok/s" for name in ["mtp", *others])]
     columns += [*(f"vs {name.replace('_', ' ')}" for name in ratios), "accepted from heads / lookup", "mismatches"]
     columns += [f"{name.replace('_', ' ')} {figure}" for name in drafters for figure in ("tau", "mismatches")]
-    lines = ["| " + " | ".join(columns) + " |", "| --- |" + " ---: |" * (len(columns) - 1)]
+
+    def shown(mismatches: int | None):
+        return "n/a (sampling)" if mismatches is None else mismatches
+
+    rows = []
     for name, s in summary.items():
-        figures = [s["questions"], f"{s['tau']:.2f}"]
-        figures += [f"{s[f'{method}_tokens_per_second']:.1f}" for method in ["mtp", *others]]
-        figures += [f"{s[f'speedup_vs_{method}']:.2f}x" for method in ratios]
-        figures += [f"{s['accepted_from_heads']} / {s['accepted_from_lookup']}"]
-        figures += ["n/a (sampling)" if s["mismatches"] is None else s["mismatches"]]
-        for drafter in drafters:
-            mismatches = s[f"{drafter}_mismatches"]
-            figures += [f"{s[f'{drafter}_tau']:.2f}", "n/a (sampling)" if mismatches is None else mismatches]
-        lines.append(f"| {name} | " + " | ".join(str(figure) for figure in figures) + " |")
-    slower = [name for name, s in summary.items() if s["speedup_vs_fastest_plain"] < 1]
-    if slower:
-        lines.append(f"\nSlower than the fastest plain decoder here: {', '.join(slower)}.")
-    return "\n".join(lines)
+        lookup = s.acceptance["by_source"].get("lookup", 0)
+        cells = [name, s.questions, f"{s.tau['mtp']:.2f}"]
+        cells += [f"{s.tokens_per_second[method]:.1f}" for method in ["mtp", *others]]
+        cells += [f"{s.speedup[method]:.2f}x" for method in ratios]
+        cells += [f"{s.acceptance['accepted'] - lookup} / {lookup}", shown(s.mismatches["mtp"])]
+        cells += [figure for d in drafters for figure in (f"{s.tau[d]:.2f}", shown(s.mismatches[d]))]
+        rows.append(cells)
+    slower = [name for name, s in summary.items() if s.speedup["fastest_plain"] < 1]
+    return table(columns, rows) + (f"\n\nSlower than the fastest plain decoder here: {', '.join(slower)}." if slower
+                                   else "")  # fmt: skip
 
 
-def bench_batches(decoder: Decoder, chats: list, sizes: list[int], max_new_tokens: int, sampling: Sampling):
+def acceptance_line(acceptance: dict) -> str:
+    """`Acceptance.report()` in one line: the share of passes that accepted a candidate at each depth, and the
+    accepted candidates by the drafter that proposed them."""
+    depths = ", ".join(f"{d} {rate:.0%}" for d, rate in enumerate(acceptance["rate_at_depth"], 1))
+    if not depths:
+        return f"mtp's {acceptance['passes']} passes accepted no candidate"
+    sources = ", ".join(f"{name} {count}" for name, count in acceptance["by_source"].items())
+    return (f"mtp's {acceptance['passes']} passes accepted a candidate at depth {depths}; "
+            f"accepted candidates by drafter: {sources}")
+
+
+@dataclass
+class BatchRun:
+    """Plain `generate` and mtp answering the questions B at a time, against one at a time."""
+
+    batch_size: int
+    tokens_per_second: dict[str, float]
+    """`plain` (batched), `mtp` (batched) and `mtp_alone` (one at a time)."""
+    speedup_vs_plain: float
+    speedup_vs_mtp_alone: float
+    tau: float
+    mismatches_vs_alone: int | None
+    """mtp's outputs unlike each prompt decoded alone by plain `generate` (greedy only)."""
+    mismatches_vs_plain_batched: int | None
+    plain_batched_mismatches_vs_alone: int | None
+
+
+def bench_batches(decoder: Decoder, chats: list, sizes: list[int], max_new_tokens: int,
+                  sampling: Sampling) -> list[BatchRun]:  # fmt: skip
     """Per batch size B: total tokens/s of plain `generate` and of mtp, B prompts at a time, against one at a time;
     tau (each row's tokens per verification pass, over all rows); when greedy, how many outputs differ: mtp's
     from each prompt decoded alone by plain `generate` and from plain batched `generate`, and plain batched
@@ -141,51 +200,41 @@ def bench_batches(decoder: Decoder, chats: list, sizes: list[int], max_new_token
             found = min(found, timed_generate(model, prompts, max_new_tokens, sampling, size), key=lambda f: f[1])
         return found
 
-    plain_alone, plain_alone_seconds = fastest_plain(1)
-    start = time.perf_counter()
-    alone = decoder.generate(chats, max_new_tokens, sampling=sampling, batch_size=1)
-    alone_seconds = time.perf_counter() - start
+    def ours(size: int) -> tuple[list[GenerationResult], float]:
+        start = time.perf_counter()
+        results = decoder.generate(chats, max_new_tokens, sampling=sampling, batch_size=size)
+        return results, time.perf_counter() - start
 
     def differ(outputs: list[list[int]], others: list[list[int]]) -> int | None:
         return sum(a != b for a, b in zip(outputs, others, strict=True)) if sampling.greedy else None
 
-    rows = []
+    (plain_alone, plain_alone_seconds), (alone, alone_seconds) = fastest_plain(1), ours(1)
+    runs = []
     for size in tqdm(sizes, desc="batch sizes"):
-        plain, plain_seconds, results, seconds = plain_alone, plain_alone_seconds, alone, alone_seconds
-        if size > 1:
-            plain, plain_seconds = fastest_plain(size)
-            start = time.perf_counter()
-            results = decoder.generate(chats, max_new_tokens, sampling=sampling, batch_size=size)
-            seconds = time.perf_counter() - start
-        ours = [result.token_ids for result in results]
-        speed = {"mtp": sum(map(len, ours)) / seconds, "plain": sum(map(len, plain)) / plain_seconds,
+        plain, plain_seconds = fastest_plain(size) if size > 1 else (plain_alone, plain_alone_seconds)
+        results, seconds = ours(size) if size > 1 else (alone, alone_seconds)
+        tokens = [result.token_ids for result in results]
+        speed = {"plain": sum(map(len, plain)) / plain_seconds, "mtp": sum(map(len, tokens)) / seconds,
                  "mtp_alone": sum(len(r.token_ids) for r in alone) / alone_seconds}  # fmt: skip
-        rows.append({
-            "batch_size": size, **{f"{name}_tokens_per_second": value for name, value in speed.items()},
-            "speedup_vs_plain": speed["mtp"] / speed["plain"],
-            "speedup_vs_mtp_alone": speed["mtp"] / speed["mtp_alone"],
-            "tau": sum(map(len, ours)) / max(sum(result.forward_passes for result in results), 1),
-            "mismatches_vs_alone": differ(ours, plain_alone), "mismatches_vs_plain_batched": differ(ours, plain),
-            "plain_batched_mismatches_vs_alone": differ(plain, plain_alone),
-        })  # fmt: skip
-    return rows
+        tau = sum(map(len, tokens)) / max(sum(result.forward_passes for result in results), 1)
+        ratios = speed["mtp"] / speed["plain"], speed["mtp"] / speed["mtp_alone"]
+        mismatches = differ(tokens, plain_alone), differ(tokens, plain), differ(plain, plain_alone)
+        runs.append(BatchRun(size, speed, *ratios, tau, *mismatches))
+    return runs
 
 
-def batch_markdown(rows: list[dict], questions: int) -> str:
-    lines = [f"| B | plain batched tok/s | mtp batched tok/s | mtp one at a time tok/s | vs plain batched | vs mtp one "
-             f"at a time | tau | mtp outputs unlike alone / unlike plain batched (of {questions}) | plain batched "
-             "unlike alone |", "| ---: |" + " ---: |" * 8]  # fmt: skip
-    for r in rows:
-        speeds = [f"{r[f'{name}_tokens_per_second']:.1f}" for name in ("plain", "mtp", "mtp_alone")]
-        figures = [r["batch_size"], *speeds, f"{r['speedup_vs_plain']:.2f}x", f"{r['speedup_vs_mtp_alone']:.2f}x"]
-        figures += [f"{r['tau']:.2f}", f"{r['mismatches_vs_alone']} / {r['mismatches_vs_plain_batched']}"]
-        figures += [r["plain_batched_mismatches_vs_alone"]]
-        lines.append("| " + " | ".join(str(figure) for figure in figures) + " |")
-    return "\n".join(lines)
+def batch_markdown(runs: list[BatchRun], questions: int) -> str:
+    columns = ["B", "plain batched tok/s", "mtp batched tok/s", "mtp one at a time tok/s", "vs plain batched",
+               "vs mtp one at a time", "tau", f"mtp outputs unlike alone / unlike plain batched (of {questions})",
+               "plain batched unlike alone"]  # fmt: skip
+    rows = [[r.batch_size, *(f"{r.tokens_per_second[name]:.1f}" for name in ("plain", "mtp", "mtp_alone")),
+             f"{r.speedup_vs_plain:.2f}x", f"{r.speedup_vs_mtp_alone:.2f}x", f"{r.tau:.2f}",
+             f"{r.mismatches_vs_alone} / {r.mismatches_vs_plain_batched}", r.plain_batched_mismatches_vs_alone]
+            for r in runs]  # fmt: skip
+    return table(columns, rows).replace("| --- |", "| ---: |", 1)
 
 
-@user_errors
-def main() -> None:
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", "--heads", required=True)
     parser.add_argument("--against", metavar="HEADS", action="append", default=[],
@@ -212,112 +261,132 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--out", default="runs/bench/bench.json", help="JSON out; the Markdown table goes beside it")
     args = parser.parse_args()
-    sampling = sampling_from(args)
     if args.against_tree and len(args.against_tree) != len(args.against):
         raise ValueError(
             f"--against-tree given {len(args.against_tree)} times for {len(args.against)} --against "
             "drafters: give one tree per --against, in the same order (a number N for the grown tree)."
         )
-    if args.repeat < 1 or (args.repeat > 1 and (not sampling.greedy or args.batch_size)):
+    if args.repeat < 1 or (args.repeat > 1 and (not sampling_from(args).greedy or args.batch_size)):
         raise ValueError(f"--repeat {args.repeat}: give 1 or more, and more than 1 only for greedy decoding of "
                          "questions one at a time (samples differ from one time to the next).")  # fmt: skip
     if args.batch_size and min(args.batch_size) < 1:
         raise ValueError(f"--batch-size {args.batch_size}: give batch sizes of 1 or more.")
-    if args.seed is not None:
-        torch.manual_seed(args.seed)  # plain generate and prompt lookup sample with torch's global generator
-    decoder = mtp.load(args.drafter, args.device, getattr(torch, args.dtype), tree=args.tree, lookup=lookup_from(args),
-                       compile=False if args.batch_size else args.compile)  # batches run eager passes  # fmt: skip
-    alone = decoder.lookup and not args.batch_size  # mtp with its heads alone, beside mtp with its lookup
-    heads_alone = alone and Decoder(decoder.base_model, decoder.tokenizer, decoder.drafter, decoder.tree,
-                                    compiled=decoder.compiled)  # fmt: skip
-    plain_compiled = decoder.compiled and Decoder(decoder.base_model, decoder.tokenizer, compiled=decoder.compiled)
-    trees = args.against_tree or [None] * len(args.against)
-    others = [mtp.load(path, args.device, getattr(torch, args.dtype), tree=tree)
-              for path, tree in zip(args.against, trees, strict=True)]  # fmt: skip
-    model = decoder.base_model
-    questions = read_rows(args.questions)
-    if args.limit:  # round-robin over categories, so a small limit still covers them all
+    return args
+
+
+def chosen_questions(path: str, limit: int | None) -> list[dict]:
+    """The questions of `path`; with `limit`, the first ones round-robin over categories, so a small limit still
+    covers them all."""
+    questions = read_rows(path)
+    if limit:
         by_category = defaultdict(list)
         for question in questions:
             by_category[question.get("category", "all")].append(question)
-        questions = [q for group in zip(*by_category.values(), strict=False) for q in group][: args.limit]
+        questions = [q for group in zip(*by_category.values(), strict=False) for q in group][:limit]
+    return questions
+
+
+class Contest:
+    """The decoders that answer each question in turn: plain `generate` (with the usual products, and with mtp's
+    where they differ for one row), prompt lookup, mtp's compiled plain loop (when compiled), mtp with its heads
+    alone (when its lookup is on), mtp, and the --against drafters."""
+
+    def __init__(self, decoder: Decoder, others: list[Decoder], sampling: Sampling, max_new_tokens: int):
+        self.decoder, self.others, self.sampling, self.max_new_tokens = decoder, others, sampling, max_new_tokens
+        self.model = decoder.base_model
+        self.heads_alone = decoder.lookup and Decoder(self.model, decoder.tokenizer, decoder.drafter, decoder.tree,
+                                                      compiled=decoder.compiled)  # fmt: skip
+        self.plain_compiled = decoder.compiled and Decoder(self.model, decoder.tokenizer, compiled=decoder.compiled)
+        self.plain_fast = 1 in narrow_counts(self.model)  # else `generate` with mtp's products is `plain` itself
+
+    def warm_up(self) -> None:
+        hello = [{"role": "user", "content": "Hello"}]
+        for each in (self.decoder, self.heads_alone, self.plain_compiled, *self.others):
+            if each:
+                each.generate(hello, max_new_tokens=8, sampling=self.sampling)
+        prompt = [self.decoder.encode(hello).to(self.model.device)]
+        timed_generate(self.model, prompt, 8, self.sampling, prompt_lookup_num_tokens=10)
+        timed_generate(self.model, prompt, 8, self.sampling)
+        with usual_linears(self.model):
+            timed_generate(self.model, prompt, 8, self.sampling)
+
+    def answer(self, question: dict, messages: list[dict]) -> Answered:
+        """Each decoder in turn, once."""
+        input_ids = self.decoder.encode(messages).to(self.model.device)
+        limit, sampling = self.max_new_tokens, self.sampling
+        runs = {}
+        with usual_linears(self.model):  # as users run it
+            (plain,), seconds = timed_generate(self.model, [input_ids], limit, sampling)
+        runs["plain"] = Run(len(plain), seconds)
+        if self.plain_fast:
+            (fast,), seconds = timed_generate(self.model, [input_ids], limit, sampling)
+            runs["plain_fast"] = Run(len(fast), seconds)
+        if self.plain_compiled:
+            steps = self.plain_compiled.generate(messages, max_new_tokens=limit, sampling=sampling)
+            runs["plain_compiled"] = Run(len(steps.token_ids), steps.seconds)
+        (lookup,), seconds = timed_generate(self.model, [input_ids], limit, sampling, prompt_lookup_num_tokens=10)
+        runs["lookup"] = Run(len(lookup), seconds)
+        compared = plain if sampling.greedy else None  # samples differ by chance
+        if self.heads_alone:
+            alone = self.heads_alone.generate(messages, max_new_tokens=limit, sampling=sampling)
+            runs["heads"] = Run(len(alone.token_ids), alone.seconds)
+        result = self.decoder.generate(messages, max_new_tokens=limit, sampling=sampling)
+        runs["mtp"] = result_run(result, compared)
+        for number, other in enumerate(self.others, 1):
+            runs[f"against_{number}"] = result_run(other.generate(messages, max_new_tokens=limit, sampling=sampling),
+                                                   compared)  # fmt: skip
+        return Answered(question.get("category", "all"), runs, result.acceptance)
+
+
+def fastest_times(answers: list[Answered]) -> Answered:
+    """Repeated answers to one question (greedy: the same tokens every time), each decoder's fastest time kept."""
+    first = answers[0]
+    runs = {name: Run(**{**asdict(run), "seconds": min(a.runs[name].seconds for a in answers)})
+            for name, run in first.runs.items()}  # fmt: skip
+    return Answered(first.category, runs, first.acceptance)
+
+
+@user_errors
+def main() -> None:
+    args = arguments()
+    sampling = sampling_from(args)
+    if args.seed is not None:
+        torch.manual_seed(args.seed)  # plain generate and prompt lookup sample with torch's global generator
+    dtype = getattr(torch, args.dtype)
+    decoder = mtp.load(args.drafter, args.device, dtype, tree=args.tree, lookup=lookup_from(args),
+                       compile=False if args.batch_size else args.compile)  # batches run eager passes  # fmt: skip
+    trees = args.against_tree or [None] * len(args.against)
+    others = [mtp.load(path, args.device, dtype, tree=tree) for path, tree in zip(args.against, trees, strict=True)]
+    questions = chosen_questions(args.questions, args.limit)
     chats = [[{"role": "user", "content": q["turns"][0] if "turns" in q else q["prompt"]}] for q in questions]
     for messages in chats:  # every question fits the context, before any runs
         decoder.check_length(decoder.encode(messages).shape[1], args.max_new_tokens)
-    warm_up = [{"role": "user", "content": "Hello"}]
-    decoder.generate(warm_up, max_new_tokens=8, sampling=sampling)
-    for extra in (heads_alone, plain_compiled, *others):
-        if extra:
-            extra.generate(warm_up, max_new_tokens=8, sampling=sampling)
-    plain_fast = 1 in narrow_counts(model)  # else plain generate with mtp's products is plain generate itself
-    timed_generate(model, [decoder.encode(warm_up).to(args.device)], 8, sampling, prompt_lookup_num_tokens=10)
-    timed_generate(model, [decoder.encode(warm_up).to(args.device)], 8, sampling)
-    with usual_linears(model):
-        timed_generate(model, [decoder.encode(warm_up).to(args.device)], 8, sampling)
-    paced = len(decoder.pacer.options(1)) > 1
-    plan = ("paced per prompt, from " if paced else "") + describe(decoder.pacer.best(1))
+    plan = ("paced per prompt, from " if len(decoder.pacer.options(1)) > 1 else "") + describe(decoder.pacer.best(1))
     print(f"mtp decodes with {plan}", file=sys.stderr)
     settings = {k: v for k, v in vars(args).items() if k != "out"} | {"plan": plan,
                 "threads": torch.get_num_threads(), "device_name": device_name(args.device),
-                "plain_fast": plain_fast}  # fmt: skip
+                "plain_fast": 1 in narrow_counts(decoder.base_model)}  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.batch_size:
-        rows = bench_batches(decoder, chats, args.batch_size, args.max_new_tokens, sampling)
-        out.write_text(json.dumps({"settings": settings, "batches": rows}, indent=1))
-        table = batch_markdown(rows, len(chats))
-        out.with_suffix(".md").write_text(table + "\n")
-        print(table)
-        return
-
-    def answer(question: dict, messages: list[dict]) -> dict:  # each decoder in turn, once
-        input_ids = decoder.encode(messages).to(args.device)
-        with usual_linears(model):  # as users run it
-            (plain,), plain_seconds = timed_generate(model, [input_ids], args.max_new_tokens, sampling)
-        if plain_fast:
-            (fast,), fast_seconds = timed_generate(model, [input_ids], args.max_new_tokens, sampling)
-        (lookup,), lookup_seconds = timed_generate(model, [input_ids], args.max_new_tokens, sampling,
-                                                   prompt_lookup_num_tokens=10)  # fmt: skip
-        result = decoder.generate(messages, max_new_tokens=args.max_new_tokens, sampling=sampling)
-        row = {
-            "category": question.get("category", "all"), "forward_passes": result.forward_passes,
-            "accept_lengths": result.accept_lengths, "lookup_accepted": result.lookup_accepted,
-            "mtp_tokens": len(result.token_ids), "plain_tokens": len(plain),
-            "lookup_tokens": len(lookup), "plain_seconds": plain_seconds, "lookup_seconds": lookup_seconds,
-            "mtp_seconds": result.seconds,
-            "matches_plain": result.token_ids == plain if sampling.greedy else None,  # samples differ by chance
-        }  # fmt: skip
-        if plain_fast:
-            row |= {"plain_fast_tokens": len(fast), "plain_fast_seconds": fast_seconds}
-        if plain_compiled:
-            steps = plain_compiled.generate(messages, max_new_tokens=args.max_new_tokens, sampling=sampling)
-            row |= {"plain_compiled_tokens": len(steps.token_ids), "plain_compiled_seconds": steps.seconds}
-        if heads_alone:
-            alone = heads_alone.generate(messages, max_new_tokens=args.max_new_tokens, sampling=sampling)
-            row |= {"heads_tokens": len(alone.token_ids), "heads_seconds": alone.seconds}
-        for number, other in enumerate(others, 1):
-            theirs = other.generate(messages, max_new_tokens=args.max_new_tokens, sampling=sampling)
-            name = f"against_{number}"
-            row |= {
-                f"{name}_tokens": len(theirs.token_ids),
-                f"{name}_seconds": theirs.seconds,
-                f"{name}_passes": theirs.forward_passes,
-                f"{name}_matches_plain": theirs.token_ids == plain if sampling.greedy else None,
-            }
-        return row
-
-    rows = []
-    for question, messages in zip(tqdm(questions, desc="benchmark", unit="question"), chats, strict=True):
-        runs = [answer(question, messages) for _ in range(args.repeat)]  # greedy: the same tokens every time
-        rows.append(runs[0] | {key: min(run[key] for run in runs) for key in runs[0] if key.endswith("_seconds")})
-    summary = {
-        c: summarise([r for r in rows if r["category"] == c]) for c in dict.fromkeys(r["category"] for r in rows)
-    }
-    summary["overall"] = summarise(rows)
-    out.write_text(json.dumps({"settings": settings, "summary": summary, "questions": rows}, indent=1))
-    table = markdown(summary)
-    out.with_suffix(".md").write_text(table + "\n")
-    print(table)
+        decoder.generate([{"role": "user", "content": "Hello"}], max_new_tokens=8, sampling=sampling)
+        runs = bench_batches(decoder, chats, args.batch_size, args.max_new_tokens, sampling)
+        written, text = {"batches": [asdict(run) for run in runs]}, batch_markdown(runs, len(chats))
+    else:
+        contest = Contest(decoder, others, sampling, args.max_new_tokens)
+        contest.warm_up()
+        answers = [fastest_times([contest.answer(question, messages) for _ in range(args.repeat)])
+                   for question, messages in zip(tqdm(questions, desc="benchmark", unit="question"), chats,
+                                                 strict=True)]  # fmt: skip
+        categories = dict.fromkeys(answer.category for answer in answers)
+        summary = {c: summarise([a for a in answers if a.category == c]) for c in categories}
+        summary["overall"] = summarise(answers)
+        written = {"summary": {name: asdict(s) for name, s in summary.items()}}
+        written["questions"] = [asdict(answer) for answer in answers]
+        text = markdown(summary) + "\n\n" + acceptance_line(summary["overall"].acceptance)
+    out.write_text(json.dumps({"settings": settings} | written, indent=1))
+    out.with_suffix(".md").write_text(text + "\n")
+    print(text)
 
 
 if __name__ == "__main__":
