@@ -1,9 +1,11 @@
 """Self-distillation throughput, in one run over the same prompts: answer tokens/s of plain single-prompt greedy
-`generate`, of `generate` over length-sorted left-padded batches (the old `mtp.training.distill`: a finished row keeps
-its slot until the longest answer of its batch ends), and of `mtp.training.distill.continuous_batching` (a finished row
-takes the next prompt at once), with the ratios to single-prompt `generate`.
+`generate`, of `generate` over length-sorted left-padded batches (a finished row keeps its slot until the longest
+answer of its batch ends), and of `mtp.training.distill.answer_all`, the project's decoder (a finished row takes the
+next prompt at once), with the base model alone and, with --drafter, with a drafter's tree and lookup; the ratios
+to single-prompt `generate`. Every batched answer is checked against the base alone's (greedy: the same tokens).
 
-    python benchmarks/distill_throughput.py --prompts 64 --max-new-tokens 256 --batch-sizes 16,32
+    python benchmarks/distill_throughput.py --prompts 64 --max-new-tokens 256 --batch-sizes 64 --single 2 \
+        --drafter heads/smollm2-135m-instruct
 """
 
 import argparse
@@ -11,8 +13,10 @@ import time
 
 import torch
 
+import mtp
 from mtp.base import DEFAULT_BASE, load_base
-from mtp.training.distill import Distill, continuous_batching
+from mtp.decoding.decoder import Decoder
+from mtp.training.distill import Distill, answer_all
 from mtp.training.rows import read_rows, to_example
 
 
@@ -28,17 +32,24 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-sizes", default="16,32")
     parser.add_argument("--single", type=int, default=3, help="prompts timed with single-prompt generate")
+    parser.add_argument("--drafter", help="also answer with this drafter's folder (for the default base)")
     args = parser.parse_args()
     model, tokenizer = load_base(DEFAULT_BASE)
     eos = tokenizer.eos_token_id
-    prompts = []
+    prompts = []  # (ids, the first user turn)
     for row in read_rows(args.data):
-        ids = tokenizer.apply_chat_template([to_example(row)[0]], add_generation_prompt=True, return_dict=False)
+        first = to_example(row)[0]
+        ids = tokenizer.apply_chat_template([first], add_generation_prompt=True, return_dict=False)
         if len(ids) <= args.max_prompt_tokens:
-            prompts.append(ids)
+            prompts.append((ids, first["content"]))
         if len(prompts) == args.prompts:
             break
-    prompts.sort(key=len)
+    prompts.sort(key=lambda prompt: len(prompt[0]))
+    texts = [(index, text) for index, (_, text) in enumerate(prompts)]
+    prompts = [ids for ids, _ in prompts]
+    decoders = {"the base alone": Decoder(model, tokenizer)}
+    if args.drafter:
+        decoders[f"with {args.drafter}"] = mtp.load(args.drafter, compile=False)
     lengths = [len(ids) for ids in prompts]
     print(f"{len(prompts)} prompts of {lengths[0]}-{lengths[-1]} tokens (mean {sum(lengths) / len(lengths):.0f}), "
           f"answers of at most {args.max_new_tokens} tokens")  # fmt: skip
@@ -68,25 +79,19 @@ def main() -> None:
               f"{tokens} of {slots} slots computed were answer tokens ({tokens / slots:.0%})")  # fmt: skip
 
         distill = Distill(prompts="", max_new_tokens=args.max_new_tokens, batch_size=batch_size)
-        forward, phases = model.forward, {"prefill": 0.0, "step": 0.0}
-
-        def timed(*args, forward=forward, phases=phases, **kwargs):  # where the time goes: prefills or steps
-            begin = time.perf_counter()
-            out = forward(*args, **kwargs)
-            phases["prefill" if kwargs["input_ids"].shape[1] > 1 else "step"] += time.perf_counter() - begin
-            return out
-
-        model.forward = timed
-        start, tokens = time.perf_counter(), 0
-        for _, answer in continuous_batching(model, list(enumerate(prompts)), distill):
-            tokens += len(answer)
-        seconds = time.perf_counter() - start
-        model.forward = forward
-        continuous = tokens / seconds
-        print(f"continuous batching, batch {batch_size}: {continuous:.1f} answer tokens/s ({continuous / single:.1f}x "
-              f"single, {continuous / batched:.2f}x batched generate), {tokens} tokens; of {seconds:.0f} s, "
-              f"prefill {phases['prefill']:.0f} s, steps {phases['step']:.0f} s, the rest "
-              f"{seconds - sum(phases.values()):.0f} s")  # fmt: skip
+        answers = {}
+        for name, decoder in decoders.items():
+            start = time.perf_counter()
+            answers[name] = dict(answer_all(decoder, texts, distill))
+            seconds = time.perf_counter() - start
+            tokens = sum(len(result.token_ids) for result in answers[name].values())
+            same = sum(answers[name][i].token_ids == answers["the base alone"][i].token_ids for i in answers[name])
+            speed = tokens / seconds
+            print(
+                f"mtp's decoder, {name}, batch {batch_size}: {speed:.1f} answer tokens/s "
+                f"({speed / single:.1f}x single, {speed / batched:.2f}x batched generate), "
+                f"{tokens} tokens in {seconds:.0f} s; {same} of {len(answers[name])} answers the base alone's"
+            )
 
 
 if __name__ == "__main__":

@@ -90,6 +90,21 @@ def test_finished_rows_leave_the_batch_and_waiting_prompts_take_their_place(toke
     assert [result.token_ids for result in results] == [decoder.generate(prompt, 30).token_ids for prompt in PROMPTS]
 
 
+def test_a_sampled_prompt_draws_the_same_tokens_whatever_its_batch_and_answers_come_as_they_end(tokenizer):
+    """Prompt i of a list draws from its own generator (seeded from the seed and i): alone or in a batch of 3, its
+    sample is its own; `Decoder.answers` yields each result as its answer ends, seeded by the number given."""
+    model = tiny_model()
+    decoder, sampling = Decoder(model, tokenizer, random_heads(model), TREE), Sampling(temperature=1.0, seed=7)
+    one, three = (decoder.generate(PROMPTS, 24, sampling=sampling, batch_size=size) for size in (1, 3))
+    assert [r.token_ids for r in one] == [r.token_ids for r in three]
+    assert len({tuple(r.token_ids) for r in one}) == len(PROMPTS)
+    ends = list(decoder.answers(PROMPTS[:2], 24, sampling, batch_size=2, numbers=[1, 0]))  # numbers swapped
+    assert sorted(index for index, _ in ends) == [0, 1] and all(result.token_ids for _, result in ends)
+    swapped = {index: result.token_ids for index, result in ends}
+    reversed_list = decoder.generate([PROMPTS[1], PROMPTS[0]], 24, sampling=sampling)  # prompt 0 numbered 1
+    assert [swapped[0], swapped[1]] == [reversed_list[1].token_ids, reversed_list[0].token_ids]
+
+
 def test_a_step_over_more_rows_takes_the_tree_planned_for_that_many(tokenizer):
     model = tiny_model()
     prompts = [tokenizer(prompt, return_tensors="pt").input_ids for prompt in PROMPTS[:3]]

@@ -12,7 +12,7 @@ import mtp.training.distill
 from mtp.base import load_base
 from mtp.training.distill import Distill, read_done, run_distill
 from mtp.training.rows import read_rows
-from tests.conftest import ROOT, TINY_BASE
+from tests.conftest import ROOT, TINY_BASE, save_random_heads
 
 
 @pytest.fixture
@@ -109,9 +109,9 @@ def varied_tiny_base(folder) -> str:
     return str(folder / "config.json")
 
 
-def test_answers_batched_with_left_padding_equal_plain_greedy_generate_of_each_prompt(tmp_path):
+def test_answers_batched_equal_plain_greedy_generate_of_each_prompt(tmp_path):
     """Prompts of different lengths answered in one batch: each answer is that of a greedy `generate` of the
-    prompt alone (pins the padding side and the slicing off of the prompt)."""
+    prompt alone (pins the chat template and the slicing off of the prompt)."""
     base = varied_tiny_base(tmp_path / "model")
     questions = ["Hi?", "Count from one to nine, please.", "Why is the sky blue on a clear day, and why not red?"]
     prompts = tmp_path / "prompts.json"
@@ -135,7 +135,7 @@ def test_answers_batched_with_left_padding_equal_plain_greedy_generate_of_each_p
         new_tokens = output.sequences[0, inputs["input_ids"].shape[1] :]  # (new tokens,)
         assert len(set(new_tokens.tolist())) > 3  # a varied answer, which a misplaced token would change
         assert answers[index] == tokenizer.decode(new_tokens, skip_special_tokens=True).strip(), index
-    assert len(lengths) == len(questions)  # every prompt but the longest is padded in the batch
+    assert len(lengths) == len(questions)  # prompts of different lengths side by side in the batch
 
 
 @pytest.mark.parametrize(
@@ -175,6 +175,24 @@ def test_a_finished_row_takes_the_next_prompt_and_every_answer_is_still_the_prom
     assert len({len(tokenizer.encode(text)) for text in expected}) > 1  # answers of different lengths
 
 
+def test_a_drafter_answers_as_the_base_alone_and_samples_do_not_depend_on_the_batch(tmp_path):
+    """One engine: distillation decodes with the project's decoder, so a drafter (here random heads with prompt
+    lookup) speeds it and changes no greedy answer; a sampled answer is its prompt's own (seeded by its index),
+    whatever the batch it was answered in."""
+    base = varied_tiny_base(tmp_path / "model")
+    heads, _, _ = save_random_heads(tmp_path / "heads")
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([{"text": f"Question {i}: " + "why? " * i} for i in range(5)]))
+    found = {}
+    for name, settings in {"alone": {}, "drafter": {"drafter": heads}, "sampled 1": {"temperature": 1.0},
+                           "sampled 3": {"temperature": 1.0, "batch_size": 3}}.items():  # fmt: skip
+        run_distill(Distill(prompts=str(prompts), max_new_tokens=8, **({"batch_size": 2} | settings)), base,
+                    tmp_path / name)  # fmt: skip
+        found[name] = by_index(lines(tmp_path / name))
+    assert found["drafter"] == found["alone"] and len(found["alone"]) == 5
+    assert found["sampled 1"] == found["sampled 3"] != found["alone"]
+
+
 def by_index(rows: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda row: row["index"])
 
@@ -200,7 +218,7 @@ def test_a_run_killed_mid_way_and_rerun_with_another_number_of_processes_loses_a
     prompts.write_text(json.dumps([{"text": f"Question {i}: " + "why? " * i} for i in range(9)]))
     distill = Distill(prompts=str(prompts), max_new_tokens=6, batch_size=2)
     run_distill(distill, base, tmp_path / "alone")
-    answering = mtp.training.distill.continuous_batching
+    answering = mtp.training.distill.answer_all
 
     def killed_after_two(*args):  # the process dies after its second answer is written
         for count, answer in enumerate(answering(*args)):
@@ -208,10 +226,10 @@ def test_a_run_killed_mid_way_and_rerun_with_another_number_of_processes_loses_a
                 raise KeyboardInterrupt
             yield answer
 
-    monkeypatch.setattr(mtp.training.distill, "continuous_batching", killed_after_two)
+    monkeypatch.setattr(mtp.training.distill, "answer_all", killed_after_two)
     with pytest.raises(KeyboardInterrupt):
         run_distill(distill, base, tmp_path / "split", rank=0, world_size=3)
-    monkeypatch.setattr(mtp.training.distill, "continuous_batching", answering)
+    monkeypatch.setattr(mtp.training.distill, "answer_all", answering)
     run_distill(distill, base, tmp_path / "split", rank=2, world_size=3)  # rank 1 never ran
     assert len(lines(tmp_path / "split")) == 2 + 3
     for rank in (0, 1):  # rerun on 2 processes: they share out what is left

@@ -37,6 +37,8 @@ class Row:
     lookup_skill: Skill = field(default_factory=Skill)
     """How many times the average the tree's and lookup's candidates are accepted in this row of late (see
     `mtp.decoding.pacing`)."""
+    generator: torch.Generator | None = None
+    """The row's own random generator when sampling: its draws do not depend on the other rows."""
 
     @property
     def room(self) -> int:
@@ -48,14 +50,14 @@ class Row:
 class Batch:
     """The rows decoded together: the target model's shared cache, the drafters' states (`proposers`, each
     step in turn: see `mtp.decoding.proposer`), what each step verifies (`pacer`: see `mtp.decoding.pacing`) and
-    the sampling settings (one generator for all rows: each row's tokens are drawn from its own distributions,
-    whatever the other rows draw). With `compiled`, a lone row's passes run compiled over its static cache
+    the sampling settings (each row draws from its own generator, seeded by its number: its tokens do not depend on
+    the other rows). With `compiled`, a lone row's passes run compiled over its static cache
     (`mtp.decoding.compiled`); when a second row joins, the cache becomes a dynamic one and passes run eagerly."""
 
     def __init__(self, target: Target, proposers: list[Proposer], pacer: Pacer, sampling: Sampling,
                  compiled: CompiledPass | None = None):  # fmt: skip
         self.target, self.proposers, self.pacer, self.compiled = target, proposers, pacer, compiled
-        self.sampling, self.generator = sampling, sampling.generator()
+        self.sampling, self.added = sampling, 0  # rows added so far: the next one's default number
         self.device = target.device
         self.rows: list[Row] = []
         self.cache, self.slots = DynamicCache(), None  # slots (B, T): see mtp.decoding.cache
@@ -63,16 +65,20 @@ class Batch:
         self.root = Tree.from_paths([]).to(self.device)  # every step's tree before the drafters propose
 
     @torch.no_grad()
-    def add(self, input_ids: torch.Tensor, max_length: int | None = None) -> int:
+    def add(self, input_ids: torch.Tensor, max_length: int | None = None, number: int | None = None) -> int:
         """Prefill the prompt `input_ids` (1, T) alone and add it as the last row; returns its first new token.
-        `max_length`: the row ends at this length (default: the model's context window)."""
+        `max_length`: the row ends at this length (default: the model's context window). `number`: when sampling,
+        the row draws from a generator seeded from the sampling seed and `number` (default: the rows added
+        before it)."""
+        number, self.added = self.added if number is None else number, self.added + 1
         cache = DynamicCache()  # every position on every layer: see mtp.decoding.cache
         states = self.target.run(self.every_layer, input_ids=input_ids.to(self.device), cache=cache)
         logits = self.target.logits(states.last[0, -1])  # (V,)
-        if self.sampling.greedy:
+        generator = None if self.sampling.greedy else self.sampling.generator(number)
+        if generator is None:
             root = int(logits.argmax())
         else:
-            root = acceptance.draw(self.sampling.probabilities(logits).cpu(), self.generator)
+            root = acceptance.draw(self.sampling.probabilities(logits).cpu(), generator)
         slots = torch.arange(input_ids.shape[1], device=self.device)[None]  # (1, T)
         max_length = max_length or self.target.context or sys.maxsize
         if self.rows:
@@ -85,7 +91,7 @@ class Batch:
             self.cache, self.slots = cache, slots
         for proposer in self.proposers:
             proposer.add(input_ids[0], states, root)
-        self.rows.append(Row(input_ids.shape[1], root, max_length))
+        self.rows.append(Row(input_ids.shape[1], root, max_length, generator=generator))
         return root
 
     @property
@@ -159,8 +165,8 @@ class Batch:
         candidates, then the bonus token)."""
         logits = states.logits  # (B, Q, V) the base model's next-token logits after each node
         accepted = [
-            acceptance.accept(tree, row_tokens, logits[b, : tree.size], self.sampling, self.generator)
-            for b, (tree, row_tokens) in enumerate(zip(trees, tokens, strict=True))
+            acceptance.accept(tree, row_tokens, logits[b, : tree.size], self.sampling, row.generator)
+            for b, (tree, row_tokens, row) in enumerate(zip(trees, tokens, self.rows, strict=True))
         ]
         nodes = [torch.as_tensor(row_nodes, device=self.device) for row_nodes, _ in accepted]  # (A_b+1,) each
         settled = [row_tokens[row_nodes[1:]].tolist() + [bonus] for row_tokens, row_nodes, (_, bonus)

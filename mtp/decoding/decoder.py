@@ -159,8 +159,9 @@ class Decoder:
             batch_size: how many prompts of a list are decoded together, in one verification pass per step; a
                 finished one leaves the batch at once and the next waiting prompt takes its place. Greedy rows
                 equal each prompt decoded alone up to floating-point rounding (a batched pass multiplies other
-                shapes, so a near tie could flip). Sampled rows follow each prompt's distribution, but one seed
-                drives the whole list: a row's draws depend on the other prompts and on batch_size.
+                shapes, so a near tie could flip). Sampled rows follow each prompt's distribution, prompt i
+                drawing from its own generator (seeded from the sampling seed and i): its draws do not depend on the
+                other prompts.
         """
         many = _is_list_of_prompts(prompt)
         prompts = prompt if many else [prompt]
@@ -168,6 +169,16 @@ class Decoder:
         for _ in self._answers(prompts, max_new_tokens, stop, sampling, batch_size, results):
             pass
         return results if many else results[0]
+
+    def answers(self, prompts: list, max_new_tokens: int = 128, sampling: Sampling = GREEDY, batch_size: int = 1,
+                numbers: list[int] | None = None) -> Iterator[tuple[int, GenerationResult]]:  # fmt: skip
+        """`generate` of the list `prompts`, yielding (its place in `prompts`, its result) as each answer ends, in
+        the order they end: a caller keeps each as it comes (self-distillation writes it to disk). `numbers`:
+        each prompt's number (default its place), which seeds its generator when sampling (with the seed)."""
+        results = [GenerationResult() for _ in prompts]
+        for index, _, done in self._answers(prompts, max_new_tokens, (), sampling, batch_size, results, numbers):
+            if done:
+                yield index, results[index]
 
     def stream(
         self,
@@ -180,14 +191,17 @@ class Decoder:
         """`generate` of one prompt, yielding the text as it is settled and never any text past a stop sequence;
         pass a `GenerationResult()` as `result` to get the figures once the stream ends."""
         results = [GenerationResult() if result is None else result]
-        for _, text in self._answers([prompt], max_new_tokens, stop, sampling, 1, results):
-            yield text
+        for _, text, _ in self._answers([prompt], max_new_tokens, stop, sampling, 1, results):
+            if text:
+                yield text
 
     def _answers(
         self, prompts: list, max_new_tokens: int, stop: list[str], sampling: Sampling, batch_size: int,
-        results: list[GenerationResult],
-    ) -> Iterator[tuple[int, str]]:  # fmt: skip
-        """Decode `prompts`, at most `batch_size` at a time, filling `results`; yield (prompt index, new text)."""
+        results: list[GenerationResult], numbers: list[int] | None = None,
+    ) -> Iterator[tuple[int, str, bool]]:  # fmt: skip
+        """Decode `prompts`, at most `batch_size` at a time, filling `results` (prompt i sampling with a generator
+        seeded from the seed and `numbers[i]`, default i); yield (prompt index, new text, whether its answer is
+        done) as text settles and as each answer ends."""
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size}: decode at least 1 prompt at a time.")
         encoded, max_lengths = [], []
@@ -206,12 +220,14 @@ class Decoder:
             if waiting and len(answers) < batch_size:  # a prompt joins: its prefill settles its first token
                 i = waiting.pop()
                 answers.append(_Answer(i, results[i], max_new_tokens, stop, time.perf_counter()))
-                passes = [(answers[-1], ([batch.add(encoded[i], max_lengths[i])], {}), False)]
+                number = i if numbers is None else numbers[i]
+                passes = [(answers[-1], ([batch.add(encoded[i], max_lengths[i], number)], {}), False)]
             else:
                 passes = [(answer, settled, True) for answer, settled in zip(answers, batch.step(), strict=True)]
             for answer, (settled, accepted_by), verified in passes:
-                if text := answer.take(self.tokenizer, self.eos_ids, settled, accepted_by, verified):
-                    yield answer.index, text
+                text = answer.take(self.tokenizer, self.eos_ids, settled, accepted_by, verified)
+                if text or answer.done:
+                    yield answer.index, text, answer.done
             batch.keep([not answer.done for answer in answers])
             answers = [answer for answer in answers if not answer.done]
 

@@ -2,6 +2,7 @@
 of the base model's logits (`Sampling.probabilities`). The rules that accept candidates: `mtp.decoding.acceptance`."""
 
 import argparse
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,8 @@ class Sampling:
     top_p: float = 1.0
     """Keep the fewest most likely tokens whose probabilities sum to at least top_p; 1 keeps all."""
     seed: int | None = None
-    """Seed of the random generator: the same seed, prompt and settings give the same output."""
+    """Seed of the random generators: the same seed, prompt and settings give the same output (prompt i of a list
+    draws from its own generator, seeded from the seed and i)."""
     acceptance: str = "exact"
     """`exact` keeps the base model's distribution; `typical` (Medusa's rule) does not."""
     epsilon: float = 0.09
@@ -41,12 +43,15 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def generator(self) -> torch.Generator:
+    def generator(self, number: int = 0) -> torch.Generator:
+        """The random generator of prompt `number`: seeded from `seed` and `number` (mixed, so that no two pairs of
+        small seeds and numbers share a stream, as seed + number would), or at random without a seed."""
         generator = torch.Generator()
         if self.seed is None:
             generator.seed()  # a fresh random seed
         else:
-            generator.manual_seed(self.seed)
+            mixed = hashlib.sha256(f"{self.seed} {number}".encode()).digest()
+            generator.manual_seed(int.from_bytes(mixed[:8], "little"))
         return generator
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:

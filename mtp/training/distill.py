@@ -7,7 +7,6 @@ crash, or with another number of processes) first reads what every shard already
 """
 
 import gzip
-import itertools
 import json
 import os
 import shutil
@@ -18,9 +17,11 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import DynamicCache
 
-from mtp.base import eos_ids, load_base, load_tokenizer
+from mtp.base import load_base, load_tokenizer
+from mtp.decoding.decoder import Decoder, GenerationResult
+from mtp.decoding.sampling import Sampling
+from mtp.loading import load
 from mtp.training.rows import read_rows, to_example
 
 
@@ -37,10 +38,13 @@ class Distill:
     """Prompts longer than this (after the chat template) are skipped."""
     batch_size: int = 16
     temperature: float = 0.0
-    """0 for greedy answers; above 0 samples (each prompt seeded by `seed` + its index)."""
+    """0 for greedy answers; above 0 samples (each prompt's generator seeded from `seed` and its index)."""
     seed: int = 0
     part_size: int = 1000
     """Answers per part: a full part is gzip-compressed (`part-00000.jsonl.gz`, ...), small enough to commit."""
+    drafter: str | None = None
+    """A drafter's folder for this base model: the answers come faster (its tree and prompt lookup, paced to the
+    machine) and are the same (greedy) or have the same distribution (sampled). None: the base model alone."""
 
     def __post_init__(self):
         if min(self.max_new_tokens, self.batch_size, self.part_size) < 1:
@@ -119,15 +123,17 @@ def run_distill(distill: Distill, base_model: str, out: str | Path, rank: int = 
     todo = [i for i in ordered[rank::world_size] if i not in done]
     if not todo:
         return
-    model, _ = load_base(base_model, device=device, dtype=dtype, fast=False)  # the tokenizer is already loaded
+    decoder = answering_decoder(distill, base_model, device, dtype)
     shard.mkdir(parents=True, exist_ok=True)
     part = open_part(shard)
     count = part.read_bytes().count(b"\n") if part.is_file() else 0  # answers in the open part
     start, tokens = time.perf_counter(), 0
     with tqdm(total=len(todo), desc=f"self-distilling (rank {rank} of {world_size})", unit="prompt") as bar:
-        for i, answer in continuous_batching(model, [(i, prompts[i][1]) for i in todo], distill):
-            text = tokenizer.decode(answer, skip_special_tokens=True).strip()
-            messages = [{"role": "user", "content": prompts[i][0]}, {"role": "assistant", "content": text}]
+        for i, answer in answer_all(decoder, [(i, prompts[i][0]) for i in todo], distill):
+            messages = [
+                {"role": "user", "content": prompts[i][0]},
+                {"role": "assistant", "content": answer.text.strip()},
+            ]
             with part.open("a", encoding="utf-8") as file:
                 file.write(json.dumps({"index": i, "messages": messages}, ensure_ascii=False) + "\n")
                 file.flush()
@@ -136,100 +142,29 @@ def run_distill(distill: Distill, base_model: str, out: str | Path, rank: int = 
             if count == distill.part_size:
                 pack(part)
                 part, count = open_part(shard), 0
-            tokens += len(answer)
+            tokens += len(answer.token_ids)
             bar.set_postfix(answer_tokens_per_s=f"{tokens / (time.perf_counter() - start):.1f}")
             bar.update()
 
 
-@torch.no_grad()
-def continuous_batching(model, prompts: list[tuple[int, list[int]]], distill: Distill) -> Iterator[tuple[int, list]]:
-    """Answer `prompts` ((index, prompt ids), in this order), `distill.batch_size` at a time; yield (index, answer
-    ids) as each answer ends, at an EOS (left out) or at `max_new_tokens`.
+def answering_decoder(distill: Distill, base_model: str, device: str | torch.device, dtype: torch.dtype) -> Decoder:
+    """The decoder that answers: the base model alone (plain steps), or with the drafter `distill.drafter` (its
+    tree and lookup paced to this machine), loaded on `device` in `dtype`."""
+    if distill.drafter is not None:
+        return load(distill.drafter, device, dtype, base_model=base_model, compile=False)  # batches: eager passes
+    model, tokenizer = load_base(base_model, device=device, dtype=dtype)
+    return Decoder(model, tokenizer)
 
-    A finished row does not wait for the rest of its batch (as with `generate`): its slot takes the next prompt
-    at once, so every row of every step computes a token that is kept. The rows share one KV cache whose
-    columns are time slots: a new prompt is prefilled (with the other prompts that start at that step,
-    left-padded) and its keys and values are written right-aligned into its row, the columns before them masked
-    out. Each row has its own position ids, so a row computes what it would compute alone. Columns that no row
-    sees any more are cut from the left.
-    """
-    eos, device = eos_ids(model), model.device
-    queue = iter(prompts)
-    rows: list[tuple[int, list[int]] | None] = []  # per row: (prompt index, answer so far), None when free
-    cache, seen = None, torch.zeros(0, 0, dtype=torch.bool)  # seen (B, L): the cache columns each row attends to
-    positions, last = torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)  # (B,) next position, token
-    generators = {}  # prompt index -> its own seeded generator, so a sample does not depend on its batch
 
-    def choose(logits: torch.Tensor, indices: list[int]) -> list[int]:  # logits (n, V): the rows' next tokens
-        if distill.temperature == 0:
-            return logits.argmax(-1).tolist()
-        probs = (logits.float() / distill.temperature).softmax(-1).cpu()  # (n, V): drawn on the CPU, on any device
-        for index in indices:
-            if index not in generators:
-                generators[index] = torch.Generator().manual_seed(distill.seed + index)
-        return [int(torch.multinomial(p, 1, generator=generators[i])) for p, i in zip(probs, indices, strict=True)]
-
-    def settle(row: int, token: int):  # the row's next token: kept, or the end of its answer
-        index, answer = rows[row]
-        if token not in eos:
-            answer.append(token)
-            last[row] = token
-        if token in eos or len(answer) == distill.max_new_tokens:
-            rows[row] = None
-            seen[row] = False
-            generators.pop(index, None)
-            return index, answer
-        return None
-
-    while True:
-        free = [row for row, state in enumerate(rows) if state is None]
-        new = list(itertools.islice(queue, distill.batch_size if cache is None else len(free)))
-        finished = []
-        if new:  # prefill the prompts that start now, left-padded together, then give each a free row
-            width = max(len(ids) for _, ids in new)
-            mask = torch.tensor([[False] * (width - len(ids)) + [True] * len(ids) for _, ids in new], device=device)
-            ids = torch.tensor([[0] * (width - len(ids)) + ids for _, ids in new], device=device)  # (n, W) twice
-            fresh = DynamicCache()
-            logits = model(input_ids=ids, attention_mask=mask.long(), position_ids=(mask.cumsum(1) - 1).clamp(min=0),
-                           cache=fresh, use_cache=True, logits_to_keep=1).logits[:, -1]  # (n, V)  # fmt: skip
-            if cache is None:  # the first prompts: their cache is the batch's
-                cache, seen, rows = fresh, mask, [None] * len(new)
-                positions, last = mask.sum(1), torch.zeros(len(new), dtype=torch.long, device=device)
-                slots = list(range(len(new)))
-            else:
-                slots, grow = free[: len(new)], max(width - seen.shape[1], 0)  # columns to add on the left
-                seen = torch.nn.functional.pad(seen, (grow, 0))  # (B, L); a free row sees nothing (settle)
-                seen[slots, seen.shape[1] - width :] = mask
-                for layer, added in zip(cache.layers, fresh.layers, strict=True):
-                    for name in ("keys", "values"):  # (B, heads, L, head dim)
-                        states = getattr(layer, name)
-                        if grow:  # a copy of the whole cache: only when the new prompt is longer than it
-                            states = torch.nn.functional.pad(states, (0, 0, grow, 0))
-                            setattr(layer, name, states)
-                        states[slots, :, states.shape[2] - width :] = getattr(added, name)
-                positions[slots] = mask.sum(1)
-            indices = [index for index, _ in new]
-            for row, index, token in zip(slots, indices, choose(logits, indices), strict=True):
-                rows[row] = (index, [])
-                finished.append(settle(row, token))
-        else:
-            active = [row for row, state in enumerate(rows) if state is not None]
-            if not active:
-                return
-            if len(active) < len(rows):  # no prompt left to fill the free rows: drop them
-                cache.batch_select_indices(torch.tensor(active, device=device))
-                seen, positions, last = seen[active], positions[active], last[active]
-                rows = [rows[row] for row in active]
-            column = torch.ones(len(rows), 1, dtype=torch.bool, device=device)  # (B, 1) the new token's
-            seen = torch.cat([seen, column], 1)  # (B, L+1)
-            logits = model(input_ids=last[:, None], attention_mask=seen.long(), position_ids=positions[:, None],
-                           cache=cache, use_cache=True).logits[:, -1]  # (B, V)  # fmt: skip
-            positions += 1
-            for row, token in enumerate(choose(logits, [index for index, _ in rows])):
-                finished.append(settle(row, token))
-            unused = int(seen.any(0).int().argmax())  # leading columns that no row sees any more
-            if unused:
-                seen = seen[:, unused:]
-                for layer in cache.layers:
-                    layer.keys, layer.values = layer.keys[:, :, unused:], layer.values[:, :, unused:]
-        yield from (answer for answer in finished if answer is not None)
+def answer_all(
+    decoder: Decoder, prompts: list[tuple[int, str]], distill: Distill
+) -> Iterator[tuple[int, GenerationResult]]:
+    """Answer `prompts` ((index, first user turn), in this order) with `decoder`, `distill.batch_size` at a time (a
+    finished answer's row taken at once by the next prompt: `Decoder.answers`); yield (index, result) as each answer
+    ends, at an EOS (left out) or at `max_new_tokens`. Sampled, prompt `index` draws from its own generator seeded
+    from `distill.seed` and `index`: its answer does not depend on its batch, nor on what an earlier run answered."""
+    sampling = Sampling(temperature=distill.temperature, seed=distill.seed)
+    chats = [[{"role": "user", "content": text}] for _, text in prompts]
+    numbers = [index for index, _ in prompts]
+    for place, result in decoder.answers(chats, distill.max_new_tokens, sampling, distill.batch_size, numbers):
+        yield prompts[place][0], result
