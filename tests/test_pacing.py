@@ -108,7 +108,7 @@ def test_a_prompt_whose_guesses_are_never_right_ends_at_plain_steps_with_the_sam
     decoder = Decoder(model, tokenizer, random_heads(model, num_heads=3), pacer=pacer)
     result = decoder.generate(PROMPT, max_new_tokens=60)
     assert result.token_ids == reference(model, input_ids, 60)
-    assert pacer.chosen[0] == 4 and result.accepted_by.get("heads", 0) <= 3  # by chance, if ever
+    assert pacer.chosen[0] == 4 and result.acceptance.by_source.get("heads", 0) <= 3  # by chance, if ever
     later = pacer.chosen[8:]
     assert later.count(1) >= 0.75 * len(later)  # plain steps, with a rare try of the tree
     # guesses always right keep the tree every step
