@@ -20,7 +20,7 @@ import json
 import sys
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -291,13 +291,14 @@ class Contest:
     where they differ for one row), prompt lookup, mtp's compiled plain loop (when compiled), mtp with its heads
     alone (when its lookup is on), mtp, and the --against drafters."""
 
-    def __init__(self, decoder: Decoder, others: list[Decoder], sampling: Sampling, max_new_tokens: int):
+    def __init__(self, decoder: Decoder, others: list[Decoder], sampling: Sampling, max_new_tokens: int,
+                 plain_fast: bool):  # fmt: skip
         self.decoder, self.others, self.sampling, self.max_new_tokens = decoder, others, sampling, max_new_tokens
         self.model = decoder.base_model
         self.heads_alone = decoder.lookup and Decoder(self.model, decoder.tokenizer, decoder.drafter, decoder.tree,
                                                       compiled=decoder.compiled)  # fmt: skip
         self.plain_compiled = decoder.compiled and Decoder(self.model, decoder.tokenizer, compiled=decoder.compiled)
-        self.plain_fast = 1 in narrow_counts(self.model)  # else `generate` with mtp's products is `plain` itself
+        self.plain_fast = plain_fast  # else `generate` with mtp's products is `plain` itself
 
     def warm_up(self) -> None:
         hello = [{"role": "user", "content": "Hello"}]
@@ -341,8 +342,7 @@ class Contest:
 def fastest_times(answers: list[Answered]) -> Answered:
     """Repeated answers to one question (greedy: the same tokens every time), each decoder's fastest time kept."""
     first = answers[0]
-    runs = {name: Run(**{**asdict(run), "seconds": min(a.runs[name].seconds for a in answers)})
-            for name, run in first.runs.items()}  # fmt: skip
+    runs = {name: replace(run, seconds=min(a.runs[name].seconds for a in answers)) for name, run in first.runs.items()}
     return Answered(first.category, runs, first.acceptance)
 
 
@@ -365,7 +365,7 @@ def main() -> None:
     print(f"mtp decodes with {plan}", file=sys.stderr)
     settings = {k: v for k, v in vars(args).items() if k != "out"} | {"plan": plan,
                 "threads": torch.get_num_threads(), "device_name": device_name(args.device),
-                "plain_fast": 1 in narrow_counts(decoder.base_model)}  # fmt: skip
+                "plain_fast": 1 in narrow_counts(decoder.base_model)}  # fmt: skip  (mtp's products differ for one row)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.batch_size:
@@ -373,7 +373,7 @@ def main() -> None:
         runs = bench_batches(decoder, chats, args.batch_size, args.max_new_tokens, sampling)
         written, text = {"batches": [asdict(run) for run in runs]}, batch_markdown(runs, len(chats))
     else:
-        contest = Contest(decoder, others, sampling, args.max_new_tokens)
+        contest = Contest(decoder, others, sampling, args.max_new_tokens, settings["plain_fast"])
         contest.warm_up()
         answers = [fastest_times([contest.answer(question, messages) for _ in range(args.repeat)])
                    for question, messages in zip(tqdm(questions, desc="benchmark", unit="question"), chats,
