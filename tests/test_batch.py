@@ -172,14 +172,15 @@ def test_rows_of_different_lengths_attend_as_causal_runs_after_uneven_acceptance
 
 @pytest.mark.parametrize("lookup", [None, Lookup((3, 3))])
 def test_each_row_samples_its_own_prompts_distribution(lookup):
-    """Rows of two prompts (3 and 6 tokens) sampled together, four to a batch: each prompt's continuations
-    follow the base model's exact joint distribution of that prompt."""
+    """Rows of two prompts (3 and 6 tokens) sampled together, 64 to a batch: each prompt's continuations follow
+    the base model's exact joint distribution of that prompt (4,000 each; a row accepting with its neighbour's
+    logits gives z near 200, seen)."""
     decoder, sampling = small_vocab_decoder(lookup=lookup), Sampling(temperature=1.0, seed=0)
     prompts = [torch.tensor([[3, 7, 1]]), torch.tensor([[5, 2, 6, 0, 4, 3]])]
     found, settled = [Counter(), Counter()], Counter()
-    for i in range(4_000):
+    for i in range(125):
         batch = decoder.batch(replace(sampling, seed=i))
-        rows = [[batch.add(prompts[b % 2])] for b in range(4)]
+        rows = [[batch.add(prompts[b % 2])] for b in range(64)]
         while min(len(tokens) for tokens in rows) < 3:
             for tokens, (block, _) in zip(rows, batch.step(), strict=True):
                 tokens += block
