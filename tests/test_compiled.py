@@ -3,12 +3,14 @@ cache after acceptance a causal run's, no compiling while decoding, greedy outpu
 batches, and the ways back to eager steps (the cache's end, a second row, a tree past the largest bucket, a model
 that does not compile). Compiled without autotuning (tune=False), which changes kernels, not what they compute."""
 
+import json
 from itertools import zip_longest
 
 import pytest
 import torch
 from conftest import PROMPT, SLIDING, TINY_BASE, TREE, OracleHeads, random_heads, reference, tiny_model
 from torch._dynamo.utils import counters
+from torch._inductor.cpu_vec_isa import pick_vec_isa
 from transformers import DynamicCache
 
 import mtp.decoding.compiled as compiled_module
@@ -18,6 +20,7 @@ from mtp.decoding.compiled import CompiledPass, compile_pass
 from mtp.decoding.decoder import Decoder, GenerationResult
 from mtp.decoding.target import Target
 from mtp.decoding.tree import Tree
+from mtp.machine import device_name
 
 SMALL = Tree.from_paths([(0,), (1,), (0, 0)])  # 4 nodes: bucket 4; TREE (10 nodes) is past the largest bucket
 
@@ -181,3 +184,30 @@ def test_a_pass_that_does_not_compile_leaves_eager_steps_with_one_line(model, mo
 def test_buckets_are_checked():
     with pytest.raises(ValueError, match=r"buckets=\(4, 1\): give node counts from 1 up, ascending"):
         CompiledPass(Target(tiny_model()), buckets=(4, 1))
+
+
+def test_the_compiled_pass_is_kept_on_disk_for_the_next_process(model):
+    """No weight packed into a tensor that inductor's cache cannot save: the pass goes into the FX graph cache (a
+    later process loads it, 20 s a node count for SmolLM2 on the 2-core Zen 4 EPYC, instead of compiling it again,
+    60 s). Packing the linears for MKL, as inductor does by default, makes the cache pass it by."""
+    counters.clear()
+    CompiledPass(Target(model), buckets=(2,), length=64, tune=False).warm_up()
+    assert counters["inductor"]["fxgraph_cache_bypass"] == 0
+    assert counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_hit"] == 1
+
+
+def test_the_vector_instructions_checked_once_on_a_machine_are_trusted_while_the_cpu_reports_the_same(
+        monkeypatch, tmp_path):  # fmt: skip
+    """Inductor compiles and loads a program per instruction set in every process (24 s on the 2-core Zen 4 EPYC);
+    mtp keeps what the check found per machine and torch version and, later, skips the check while what the CPU
+    reports picks the same set; a record of another set (a changed machine or compiler) checks again."""
+    monkeypatch.setenv("MTP_CACHE", str(tmp_path))
+    monkeypatch.setattr(compiled_module.inductor.cpp, "vec_isa_ok", None)
+    with compiled_module.inductor.patch({"cpp.vec_isa_ok": True}):
+        reported = str(pick_vec_isa())
+    key = f"{device_name('cpu')}, torch {torch.__version__}"
+    for recorded, settings in [(reported, {"cpp.vec_isa_ok": True}), ("another set", {})]:
+        (tmp_path / "vector_isa.json").write_text(json.dumps({key: recorded}))
+        assert compiled_module._vector_isa() == settings
+    monkeypatch.setattr(compiled_module.inductor.cpp, "vec_isa_ok", False)  # the user's own setting stays
+    assert compiled_module._vector_isa() == {}

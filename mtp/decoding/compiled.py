@@ -38,7 +38,7 @@ from transformers.cache_utils import Cache, StaticLayer
 from mtp.decoding.cache import grouped_keys, tree_attention_mask
 from mtp.decoding.target import States, Target
 from mtp.linears import usual_linears
-from mtp.machine import cache_dir
+from mtp.machine import cache_dir, device_name, measured
 
 BUCKETS = (1, 4, 8)  # node counts compiled, a tree padded up to the next (each 1 min to compile on 2 cores; 16 nodes
 # compiled ran no faster than eagerly on the Zen 4 EPYC: docs/reference-runs.md#compiled-passes)
@@ -78,6 +78,8 @@ class CompiledPass:
             self.settings |= {"max_autotune": tune, "max_autotune_gemm_backends": "CPP,ATEN",
                               "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
             # (no table nor line per product on stderr)
+            self.settings |= _vector_isa()
+            _unpacked_linears()
         self._holder = None  # a weak reference to the batch decoding on the static cache
         # a class of its own: the one guard kept on the module is its type, which finds this pass's graphs (its
         # frozen weights, its cache), not those of another pass compiled in the process
@@ -169,6 +171,36 @@ class CompiledPass:
                      torch.ones(1, size, size, dtype=torch.bool, device=nodes.device).tril(), slots)  # fmt: skip
             print(f" {size}: {time.perf_counter() - step:.0f} s", end="", file=sys.stderr, flush=True)
         print(f"; {time.perf_counter() - start:.0f} s in all", file=sys.stderr)
+
+
+def _unpacked_linears() -> None:
+    """Keep the linear products as matrix products when freezing (no weight packed for MKL), for the process.
+    Packed, each weight becomes a oneDNN tensor that inductor's cache cannot save, so every process compiled the
+    whole pass again (60 s a node count on the 2-core Zen 4 EPYC); as products of frozen weights, the C++ GEMM
+    templates are still autotuned against ATen's and the compiled pass is kept on disk. (Inductor registers its
+    freezing passes once per process, here without the packing; a pass compiled before in the process keeps it.)"""
+    from torch._inductor.fx_passes.freezing_patterns import lazy_init
+
+    with inductor.patch({"cpp.weight_prepack": False}):
+        lazy_init()
+
+
+def _vector_isa() -> dict:
+    """Inductor's setting for the CPU's vector instructions. Inductor checks every instruction set the CPU reports
+    by compiling a program and loading it in a child Python, in every process (24 s on the 2-core Zen 4 EPYC); mtp
+    lets it check once per machine and torch version (kept in `$MTP_CACHE/vector_isa.json`), and later trusts what
+    the CPU reports while that names the same instruction set. {} where the user set `cpp.vec_isa_ok`."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa, valid_vec_isa_list
+
+    if inductor.cpp.vec_isa_ok is not None:
+        return {}
+    key = f"{device_name('cpu')}, torch {torch.__version__}"
+    checked = measured("vector_isa.json", key, lambda: str(pick_vec_isa()))
+    valid_vec_isa_list.cache_clear()  # computed again under the setting that applies
+    with inductor.patch({"cpp.vec_isa_ok": True}):
+        trusted = str(pick_vec_isa()) == checked
+    valid_vec_isa_list.cache_clear()
+    return {"cpp.vec_isa_ok": True} if trusted else {}
 
 
 def _guards(entries) -> list[bool]:
