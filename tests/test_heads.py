@@ -8,8 +8,10 @@ import torch
 
 from mtp.base import load_base
 from mtp.decoding.tree import Tree
+from mtp.drafters import heads as heads_module
 from mtp.drafters.contract import Drafter, DrafterConfig, base_identity
 from mtp.drafters.heads import HydraHeads, MedusaHeads
+from mtp.linears import ROWS, narrow_product
 from tests.conftest import TINY_BASE, head_logits
 
 
@@ -65,6 +67,34 @@ def test_guesses_from_a_draft_vocabulary_are_its_best_tokens_by_the_full_logits(
     guesses, logp = heads.guess(hidden, None, 1, 5, lm_head_module)
     assert torch.equal(guesses, full[1].topk(5).indices)
     torch.testing.assert_close(logp, full[1].log_softmax(-1).topk(5).values)
+
+
+@pytest.mark.parametrize("lm_head", ["shared", "own"])
+@pytest.mark.parametrize("narrow", [False, True])
+def test_draft_logits_are_the_same_whichever_product_this_machine_measured_faster(tiny, config, lm_head, narrow,
+                                                                                   monkeypatch):  # fmt: skip
+    """Decoding multiplies a step's few rows by the draft vocabulary's rows as W x^T where that was measured faster
+    (`mtp.linears.narrow_rows`, here forced either way): the same logits as x W^T, for one row, a few rows, and all
+    heads at once over a shared lm_head."""
+    chosen = list(range(1, ROWS + 1)) if narrow else []
+    monkeypatch.setattr(heads_module, "narrow_rows", lambda weights: {"x".join(map(str, w.shape)): chosen
+                                                                      for w in weights})  # fmt: skip
+    calls = []
+    monkeypatch.setattr(heads_module, "narrow_product", lambda x, w: calls.append(len(x)) or narrow_product(x, w))
+    model, heads = random_heads(tiny, config, lm_head)
+    lm_head_module = model.get_output_embeddings()
+    heads.config.draft_vocab = draft = torch.randperm(config.vocab_size)[:40].tolist()
+    with torch.no_grad():
+        for shape in [(1,), (1, 3), (2, 2)]:
+            states = torch.randn(3, *shape, config.hidden_size)  # (K, ..., H)
+            if lm_head == "shared":
+                torch.testing.assert_close(heads.project(states, lm_head_module), lm_head_module(states)[..., draft])
+            for k in range(3):  # one head's states, as a decoding step projects them
+                projection = lm_head_module if lm_head == "shared" else heads.projections[k]
+                torch.testing.assert_close(heads.project(states[k : k + 1], lm_head_module, k)[0],
+                                           projection(states[k])[..., draft])  # fmt: skip
+    assert calls == ([3, 1, 1, 1, 9, 3, 3, 3, 12, 4, 4, 4] if lm_head == "shared" else [1, 1, 1, 3, 3, 3, 4, 4, 4]
+                     ) * narrow  # fmt: skip
 
 
 @pytest.mark.parametrize("lm_head", ["shared", "own"])

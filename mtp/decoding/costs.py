@@ -24,6 +24,8 @@ BATCH_MAX_NODES = 16  # the largest tree timed for a step over several rows (a b
 SPREAD = 0.2  # a size whose middle timings (upper over lower quartile) spread more than this is timed again
 RETAKES = 2  # at most this many times
 CONTEXT = 256  # prompt tokens before the timed steps
+STEPS = 2  # the version of a step's code, in the costs' key: raised when a change makes steps cheaper or dearer, so
+# that costs measured before it are measured again (2: the heads' draft products as W x^T, 5.6 -> 2.8 ms a tree step)
 
 
 def timed_sizes(paths: list[Path], batch: int) -> list[int]:
@@ -95,13 +97,13 @@ def step_costs(timed: list[float], max_nodes: int) -> list[float]:
 
 def machine_key(model, heads: Drafts, compiled: CompiledPass | None = None, context: int = CONTEXT) -> str:
     """What step costs depend on: the device (and threads), torch, the dtype, the base model, the drafter's kind,
-    the compiled pass's buckets."""
+    the compiled pass's buckets, mtp's step code (STEPS)."""
     config = heads.config
     vocabulary = len(config.draft_vocab or []) or "full"
     steps = f"compiled {list(compiled.buckets)}, {compiled.length} slots" if compiled is not None else "eager"
     return " | ".join([device_name(model.device), f"torch {torch.__version__}", str(model.dtype), config.identity(),
                        f"{config.num_heads} {config.head_type} heads", config.lm_head,
-                       f"draft vocabulary {vocabulary}", f"context {context}", steps])  # fmt: skip
+                       f"draft vocabulary {vocabulary}", f"context {context}", steps, f"steps v{STEPS}"])  # fmt: skip
 
 
 def candidates(config, paths: list[Path], expected: list[float]) -> list[Candidate]:
