@@ -31,6 +31,17 @@ def narrow_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (weight @ x.T).T  # (out, R) -> (R, out)
 
 
+def product(x: torch.Tensor, weight: torch.Tensor, narrow: frozenset[int] | set[int],
+            bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """x W^T (+ bias) for x (..., in), taken as W x^T (`narrow_product`) when x's row count is in `narrow` and no
+    gradient is needed (training keeps the usual path)."""
+    rows = x.numel() // x.shape[-1]
+    if rows not in narrow or torch.is_grad_enabled():
+        return F.linear(x, weight, bias)
+    out = narrow_product(x.reshape(rows, -1), weight).reshape(*x.shape[:-1], -1)
+    return out if bias is None else out + bias
+
+
 def fast_linears(model: torch.nn.Module) -> dict[str, list[int]]:
     """Give every `torch.nn.Linear` of `model` the faster product for each input row count, as measured here for
     its weight's shape (`narrow_rows`); returns, per shape, the row counts that take the W x^T path (often none).
@@ -44,11 +55,7 @@ def fast_linears(model: torch.nn.Module) -> dict[str, list[int]]:
     chosen = {shape: rows for weights in groups.values() for shape, rows in narrow_rows(weights).items()}
 
     def forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if rows not in layer.narrow_rows or torch.is_grad_enabled():
-            return F.linear(x, layer.weight, layer.bias)
-        out = narrow_product(x.reshape(rows, -1), layer.weight).reshape(*x.shape[:-1], -1)
-        return out if layer.bias is None else out + layer.bias
+        return product(x, layer.weight, layer.narrow_rows, layer.bias)
 
     for layer in layers:
         layer.narrow_rows = frozenset(chosen[_shape(layer.weight)])

@@ -6,12 +6,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from mtp import linears
 from mtp.base import load_base
 from mtp.decoding.tree import Tree
 from mtp.drafters import heads as heads_module
 from mtp.drafters.contract import Drafter, DrafterConfig, base_identity
 from mtp.drafters.heads import HydraHeads, MedusaHeads
-from mtp.linears import ROWS, narrow_product
+from mtp.linears import ROWS, narrow_product, usual_linears
 from tests.conftest import TINY_BASE, head_logits
 
 
@@ -80,11 +81,11 @@ def test_draft_logits_are_the_same_whichever_product_this_machine_measured_faste
     monkeypatch.setattr(heads_module, "narrow_rows", lambda weights: {"x".join(map(str, w.shape)): chosen
                                                                       for w in weights})  # fmt: skip
     calls = []
-    monkeypatch.setattr(heads_module, "narrow_product", lambda x, w: calls.append(len(x)) or narrow_product(x, w))
+    monkeypatch.setattr(linears, "narrow_product", lambda x, w: calls.append(len(x)) or narrow_product(x, w))
     model, heads = random_heads(tiny, config, lm_head)
     lm_head_module = model.get_output_embeddings()
     heads.config.draft_vocab = draft = torch.randperm(config.vocab_size)[:40].tolist()
-    with torch.no_grad():
+    with torch.no_grad(), usual_linears(model):  # the references as x W^T, whatever the tiny model's layers chose
         for shape in [(1,), (1, 3), (2, 2)]:
             states = torch.randn(3, *shape, config.hidden_size)  # (K, ..., H)
             if lm_head == "shared":
