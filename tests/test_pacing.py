@@ -8,7 +8,7 @@ import mtp
 import mtp.decoding.costs
 from mtp.base import load_tokenizer
 from mtp.decoding.batch import Row
-from mtp.decoding.costs import machine_pacer
+from mtp.decoding.costs import machine_pacer, measure_steps
 from mtp.decoding.decoder import Decoder
 from mtp.decoding.pacing import MIN_RETURN, RETURN, Candidate, Pacer, Plan
 from mtp.decoding.tree import Tree, grow_tree
@@ -58,6 +58,36 @@ def test_cheap_rows_take_the_biggest_tree_and_dear_rows_plain_steps(tmp_path, mo
     fake_timings(monkeypatch, {1: [0.1, 0.15, 0.18, 0.2, 0.28, 0.35]})
     monkeypatch.setenv("MTP_CACHE", str(tmp_path / "another"))
     assert machine_pacer(model, tokenizer, heads, CANDIDATES, PATHS).best(1).tree.size == 2
+
+
+def test_sizes_are_timed_in_turn_so_that_a_host_whose_speed_drifts_weighs_on_every_size_alike(monkeypatch, tokenizer):
+    """Every size is timed once a round, forward then backward: with the host slowing down or speeding up steadily
+    (here a step takes less time with every step timed), the costs keep the true ratios between sizes; timed one
+    size after another, or in turn always in one order, the later sizes would seem cheaper than they are."""
+    model = tiny_model()
+    heads = random_heads(model, num_heads=3)
+    built, clock = [], []
+
+    class Recorded(Decoder):  # the size whose steps are timed next
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self.tree.size)
+
+    def drifting(call, device):  # 1 + 0.25 per node beyond the root, at the host's speed of the moment
+        clock.append(built[-1])
+        return (1 + 0.25 * (built[-1] - 1)) * (2 - len(clock) / 200)
+
+    monkeypatch.setattr(mtp.decoding.costs, "Decoder", Recorded)
+    monkeypatch.setattr(mtp.decoding.costs, "timed", drifting)
+    costs = measure_steps(model, tokenizer, heads, PATHS[:7], context=8)  # sizes 1, 2, 3, 4, 6, 8
+    forward = [1, 1, 2, 3, 4, 6, 8]  # the plain step with mtp's products and with the usual ones, then the trees
+    assert built == forward + forward[::-1] + forward + forward[::-1] and len(clock) == 4 * 7 * 3
+    assert [cost / costs[0] for cost in costs] == pytest.approx([1, 1.25, 1.5, 1.75, 2.25, 2.75])
+    built.clear(), clock.clear()
+    costs = measure_steps(model, tokenizer, heads, PATHS[:7], context=8, bound=1.6)
+    forward = [1, 1, 2, 3, 4]  # the first round stops at the first size dearer than 1.6 plain steps
+    assert built == forward + forward[::-1] + forward + forward[::-1]
+    assert [cost / costs[0] for cost in costs] == pytest.approx([1, 1.25, 1.5, 1.75])
 
 
 def test_costs_are_measured_once_per_machine_and_the_first_time_said_in_one_line(tmp_path, monkeypatch, capsys):

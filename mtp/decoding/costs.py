@@ -6,6 +6,7 @@ dtype, base model and drafter); and the pacing they give a drafter's candidates 
 import sys
 import time
 from contextlib import nullcontext
+from statistics import median
 
 import torch
 
@@ -21,12 +22,13 @@ from mtp.machine import cache_dir, device_name, measured
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # tree sizes (root included) timed on the device
 BATCH_MAX_NODES = 16  # the largest tree timed for a step over several rows (a batch pays each node B times)
-SPREAD = 0.2  # a size whose middle timings (upper over lower quartile) spread more than this is timed again
-RETAKES = 2  # at most this many times
+ROUNDS = 4  # every size is timed once a round, in turn, forward then backward: the median of its steps is then
+# taken at the same moment for all sizes when the host's speed drifts steadily
 CONTEXT = 256  # prompt tokens before the timed steps
-STEPS = 2  # the version of a step's code, in the costs' key: raised when a change makes steps cheaper or dearer, so
-# that costs measured before it are measured again (2: the heads' draft products as measured faster, 5.6 -> 2.8 ms a
-# 4-node tree step in float32 on the Zen 4 EPYC)
+STEPS = 3  # the version of a step's code and its timing, in the costs' key: raised when a change makes steps cheaper
+# or dearer, or times them otherwise, so that costs measured before it are measured again (2: the heads' draft
+# products as measured faster, 5.6 -> 2.8 ms a 4-node tree step in float32 on the Zen 4 EPYC; 3: sizes timed in
+# turn, ROUNDS)
 
 
 def timed_sizes(paths: list[Path], batch: int) -> list[int]:
@@ -43,39 +45,40 @@ def timed(call, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def measure_steps(model, tokenizer, heads: Drafts, paths: list[Path], context: int = CONTEXT, steps: int = 6,
+def measure_steps(model, tokenizer, heads: Drafts, paths: list[Path], context: int = CONTEXT, steps: int = 3,
                   batch: int = 1, bound: float | None = None,
                   compiled: CompiledPass | None = None) -> list[float]:  # fmt: skip
-    """Seconds per decoding step of `batch` rows for each of `timed_sizes` in turn, after prompts of `context`
-    random tokens: the median of `steps` steps after a warm-up one, timed again (RETAKES) while they spread more
-    than SPREAD. Size 1 is the fastest plain step: without the drafter, with the products mtp chose
-    (`mtp.linears`) or the usual ones, whichever ran faster. With `bound`, timing stops after the first size
-    whose step costs more than `bound` plain steps (no larger tree can pay). With `compiled`, one row's steps run
-    compiled (`mtp.decoding.compiled`), and size 1 is the fastest of the compiled plain step and the eager ones."""
+    """Seconds per decoding step of `batch` rows for each of `timed_sizes`, after prompts of `context` random tokens:
+    the median of its steps over ROUNDS rounds, each timing every size in turn (`steps` steps of fresh rows after a
+    warm-up one), in one order and then the other, so that the host's speed, which drifts over seconds, weighs on
+    every size alike. Size 1 is the fastest plain step: without the drafter, with the products mtp chose
+    (`mtp.linears`) or the usual ones, whichever ran faster. With `bound`, the first round stops at the first size
+    whose step costs more than `bound` plain steps, and later rounds time no larger one (no larger tree can pay).
+    With `compiled`, one row's steps run compiled (`mtp.decoding.compiled`), and size 1 is the fastest of the
+    compiled plain step and the eager ones."""
     prompts = torch.randint(len(tokenizer), (batch, 1, context), generator=torch.Generator().manual_seed(0))
 
-    def median_step(size: int, usual: bool = False, eager: bool = False) -> float:
+    def time_steps(size: int, usual: bool = False, eager: bool = False) -> list[float]:
         decoder = Decoder(model, tokenizer, heads if size > 1 else None, Tree.from_paths(paths[: size - 1]),
                           compiled=None if eager else compiled)  # fmt: skip
-        spent = []
         with usual_linears(model) if usual else nullcontext():
-            for _ in range(RETAKES + 1):
-                rows = decoder.batch(GREEDY)
-                for prompt in prompts:
-                    rows.add(prompt)
-                rows.step()  # warm-up
-                spent = sorted(spent + [timed(rows.step, model.device) for _ in range(steps)])
-                if spent[3 * len(spent) // 4] <= (1 + SPREAD) * spent[len(spent) // 4]:
-                    break
-        return spent[len(spent) // 2]
+            rows = decoder.batch(GREEDY)
+            for prompt in prompts:
+                rows.add(prompt)
+            rows.step()  # warm-up
+            return [timed(rows.step, model.device) for _ in range(steps)]
 
-    plain = [median_step(1, eager=True), median_step(1, usual=True, eager=True)]
-    costs = [min(plain + ([median_step(1)] if compiled is not None else []))]
-    for size in timed_sizes(paths, batch)[1:]:
-        costs.append(median_step(size))
-        if bound is not None and costs[-1] > bound * costs[0]:
-            break
-    return costs
+    plain = [(1, False, True), (1, True, True)] + ([(1, False, False)] if compiled is not None else [])
+    ways = plain + [(size, False, False) for size in timed_sizes(paths, batch)[1:]]
+    spent = {way: [] for way in ways}
+    for turn in range(ROUNDS):
+        for index, way in enumerate(ways if turn % 2 == 0 else ways[::-1]):
+            spent[way] += time_steps(*way)
+            if turn == 0 and bound is not None and way[0] > 1:  # (the plain steps timed first)
+                if median(spent[way]) > bound * min(median(spent[each]) for each in plain):
+                    ways = ways[: index + 1]  # the first size past the bound: no larger one is timed
+                    break
+    return [min(median(spent[way]) for way in plain)] + [median(spent[way]) for way in ways[len(plain) :]]
 
 
 def step_costs(timed: list[float], max_nodes: int) -> list[float]:
