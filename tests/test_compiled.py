@@ -95,16 +95,22 @@ def test_the_static_cache_after_acceptance_equals_a_causal_run(model, compiled, 
 
 
 @pytest.mark.parametrize("heads", ["none", "random", "oracle"])
-def test_greedy_decoding_on_the_compiled_pass_is_plain_greedy_and_compiles_nothing_more(model, compiled, tokenizer,
-                                                                                         heads):  # fmt: skip
-    """200 new tokens, plain steps (bucket 1) or 4-node trees (bucket 4), without a single new graph."""
+def test_greedy_decoding_on_the_compiled_pass_is_plain_greedy_and_compiles_nothing_more(
+        model, compiled, tokenizer, heads, monkeypatch):  # fmt: skip
+    """200 new tokens, plain steps (bucket 1) or 4-node trees (bucket 4), without tracing or compiling anything."""
     prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
     expected = reference(model, prompt, 200)
     drafter = {"none": None, "random": random_heads(model, num_heads=3),
                "oracle": OracleHeads(model, torch.cat([prompt[0], torch.tensor(expected)]), num_heads=3)}[heads]
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("traced or compiled while decoding")
+
+    monkeypatch.setattr(torch.export, "export", forbidden)
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", forbidden)
     graphs = counters["stats"]["unique_graphs"]
     result = Decoder(model, tokenizer, drafter, SMALL, compiled=compiled).generate(PROMPT, max_new_tokens=200)
-    assert counters["stats"]["unique_graphs"] == graphs
+    assert counters["stats"]["unique_graphs"] == graphs  # nor through torch.compile
     assert result.token_ids == expected
     if heads == "oracle":
         assert result.tau > 2.5
@@ -186,14 +192,26 @@ def test_buckets_are_checked():
         CompiledPass(Target(tiny_model()), buckets=(4, 1))
 
 
-def test_the_compiled_pass_is_kept_on_disk_for_the_next_process(model):
-    """No weight packed into a tensor that inductor's cache cannot save: the pass goes into the FX graph cache (a
-    later process loads it, 20 s a node count for SmolLM2 on the 2-core Zen 4 EPYC, instead of compiling it again,
-    60 s). Packing the linears for MKL, as inductor does by default, makes the cache pass it by."""
-    counters.clear()
+def test_the_compiled_pass_is_kept_on_disk_and_loaded_later_for_the_same_weights_only(model, tokenizer, monkeypatch,
+                                                                                        tmp_path):  # fmt: skip
+    """On a CPU each node count's pass is an AOTInductor package in mtp's cache folder, made once: a later pass of
+    the same model (as in a later process) loads it without tracing or compiling. The weights are frozen into a
+    package, so a model of the same shapes with other weights gets packages of its own, and decodes on its own
+    weights."""
+    monkeypatch.setenv("MTP_CACHE", str(tmp_path))
+    made, make = [], torch._inductor.aoti_compile_and_package
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", lambda *a, **k: made.append(1) or make(*a, **k))
     CompiledPass(Target(model), buckets=(2,), length=64, tune=False).warm_up()
-    assert counters["inductor"]["fxgraph_cache_bypass"] == 0
-    assert counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_hit"] == 1
+    assert len(made) == 1 and len(list((tmp_path / "passes").glob("*-2.pt2"))) == 1
+    CompiledPass(Target(model), buckets=(2,), length=64, tune=False).warm_up()
+    assert len(made) == 1  # loaded
+    other = tiny_model(seed=1)
+    second = CompiledPass(Target(other), buckets=(2,), length=64, tune=False)
+    second.warm_up()
+    assert len(made) == 2 and len(list((tmp_path / "passes").glob("*-2.pt2"))) == 2
+    prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
+    decoder = Decoder(other, tokenizer, random_heads(other, num_heads=3), Tree.from_paths([(0,)]), compiled=second)
+    assert decoder.generate(PROMPT, max_new_tokens=20).token_ids == reference(other, prompt, 20)
 
 
 def test_the_vector_instructions_checked_once_on_a_machine_are_trusted_while_the_cpu_reports_the_same(

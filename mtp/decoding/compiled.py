@@ -3,37 +3,43 @@ cache, so that a pass over a tree costs about what the machine charges for strea
 eager kernels and per-operation overhead charge.
 
 Eager PyTorch pays per operation and multiplies a few rows by each weight matrix with kernels made for many; an
-eager pass over 4 nodes of SmolLM2-135M cost 1.5 to 1.65 one-token passes on our 2-core CPUs. `torch.compile`
-(inductor) fuses the small operations and, on a CPU, with the weights frozen as constants, packs each weight once
-for the GEMM kernel it autotuned; on a GPU it replays the pass as a CUDA graph. Both need fixed shapes, so the
-pass runs for a few node counts (`BUCKETS`: a tree is padded up to the next one with nodes that only see
-themselves) over a cache of `LENGTH` slots allocated once (transformers' static cache layers): a pass writes its
-nodes after the filled slots, `mtp.decoding.cache.keep_accepted` copies the accepted ones into place and the rest
-are overwritten by the next pass. Nothing is compiled while decoding: every bucket is compiled when the decoder is
-made (`warm_up`).
+eager pass over 4 nodes of SmolLM2-135M cost 1.5 to 1.65 one-token passes on our 2-core CPUs. Inductor fuses the
+small operations and, on a CPU, with the weights frozen as constants, packs each weight once for the GEMM kernel it
+autotuned; on a GPU `torch.compile` replays the pass as a CUDA graph. Both need fixed shapes, so the pass runs for a
+few node counts (`BUCKETS`: a tree is padded up to the next one with nodes that only see themselves) over a cache
+of `LENGTH` slots allocated once (transformers' static cache layers): a pass writes its nodes after the filled
+slots, `mtp.decoding.cache.keep_accepted` copies the accepted ones into place and the rest are overwritten by the
+next pass. Nothing is compiled while decoding: every bucket is compiled when the decoder is made (`warm_up`).
 
 One row at a time: when a second row joins a batch, or a pass would run past the cache's end, the cache moves into
 a dynamic one and passes run eagerly from there on (`mtp.decoding.batch`); a pass over more nodes than the largest
 bucket runs eagerly over the static cache. The compiled pass computes the same function as the eager one: float32
 logits agree to rounding (tests/test_compiled.py), so greedy output is plain greedy output.
 
-The compiled pass is kept under mtp's cache folder (inductor's FX graph cache, the generated kernels and the
-autotuned choices), so a later process traces and freezes the model again but compiles nothing: 20 s a node count
-for SmolLM2 on the 2-core Zen 4 EPYC, against 60 s the first time. For that the linears stay matrix products of
-the frozen weights (`_unpacked_linears`) and the CPU's vector instructions are checked once per machine
-(`_vector_isa`). The cache's key holds the graph and the settings, not the weights' values: a model of the same
-shapes with other weights loads the same pass and runs it on its own weights (tried on SmolLM2 with every matrix
-changed: logits within 4e-5 of the eager pass's). Each pass made in a process has graphs of its own.
+On a CPU each bucket's pass is exported (`torch.export`) and compiled ahead of time into an AOTInductor package,
+with the static cache's tensors as inputs that it writes in place and the weights frozen into it, and kept under
+mtp's cache folder (`passes/`), keyed by the machine, torch, transformers, the model's configuration and its
+weights: the first load on a machine compiles (about 105 s a node count for SmolLM2 on the 2-core Zen 4 EPYC), a
+later process loads the packages (2.4 s in all, against 49-61 s when it traced and froze the model again through
+`torch.compile`), and a model of the same shapes with other weights gets packages of its own. A package runs no
+Python and checks no guards between kernels: a one-node pass of SmolLM2 took 20.6 ms there, against 24.8 ms
+through `torch.compile` (`benchmarks/compiled_steps.py`). The linears stay matrix products of the frozen weights
+(`_unpacked_linears`) and the CPU's vector instructions are checked once per machine (`_vector_isa`).
 """
 
+import hashlib
 import os
 import sys
+import tempfile
 import time
 import weakref
+from contextlib import ExitStack
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import transformers
 from torch._inductor import config as inductor
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from transformers import DynamicCache
@@ -48,6 +54,7 @@ BUCKETS = (1, 4, 8)  # node counts compiled, a tree padded up to the next (each 
 # compiled ran no faster than eagerly on the Zen 4 EPYC: docs/reference-runs.md#compiled-passes)
 LENGTH = 1024  # cache slots: prompt, answer and one pass's nodes must fit
 INDUCTOR_DIR = "TORCHINDUCTOR_CACHE_DIR"
+PACKAGES = 1  # the version of a packaged pass's code, in its key: raised when a change alters what a package computes
 
 
 class CompiledPass:
@@ -88,7 +95,9 @@ class CompiledPass:
         # a class of its own: the one guard kept on the module is its type, which finds this pass's graphs (its
         # frozen weights, its cache), not those of another pass compiled in the process
         self._forward = type("_Pass", (_Pass,), {})(target, self.cache, every_layer)
-        self._compiled = torch.compile(self._forward, dynamic=False, options={"guard_filter_fn": _guards})
+        self._packages = {} if target.device.type == "cpu" else None  # node count -> its package, loaded (CPU)
+        self._compiled = None if self._packages is not None else \
+            torch.compile(self._forward, dynamic=False, options={"guard_filter_fn": _guards})  # fmt: skip
 
     def claim(self, batch, filled: int) -> bool:
         """Give the static cache to the lone row of `batch` (`mtp.decoding.batch.Batch`), `filled` slots long, unless
@@ -142,13 +151,13 @@ class CompiledPass:
         mask = tree_attention_mask(tree_mask, positions, slots, self.target.windows, self.target.dtype)
         if mask is None:  # one node after filled slots, no window: eagerly the model's own path, here a mask
             mask = torch.zeros(1, 1, size, filled + size, dtype=self.target.dtype, device=tokens.device)
-        for each in mask.values() if isinstance(mask, dict) else [mask]:  # (1, 1, S, T+S): one compiled graph for
-            torch._dynamo.mark_dynamic(each, 3, min=2, max=self.length - 1)  # every T (attention reads T+S slots)
-        forward = self._compiled if bucket else self._forward
-        backbone, lm_head = self.target.backbone, self.target.lm_head  # traced with the usual products, which it packs
-        with grouped_keys(self.target.device.type == "cpu"), usual_linears(backbone), usual_linears(lm_head), \
-                inductor.patch(self.settings):  # fmt: skip
-            hidden, logits, states = forward(tokens, positions, mask)
+        if bucket and self._packages is not None:
+            hidden, logits, states = self._package(bucket)(tokens, positions, mask, *self._state())
+        else:
+            for each in mask.values() if isinstance(mask, dict) else [mask]:  # (1, 1, S, T+S): one graph for every
+                torch._dynamo.mark_dynamic(each, 3, min=2, max=self.length - 1)  # T (attention reads T+S slots)
+            with self._tracing():
+                hidden, logits, states = (self._compiled if bucket else self._forward)(tokens, positions, mask)
         if every_layer and states is None:
             raise ValueError("This compiled pass gives no hidden states but the last: build it with every_layer=True.")
         states = tuple(layer[:, :queries] for layer in states) if every_layer else None
@@ -163,9 +172,10 @@ class CompiledPass:
         tokens = torch.zeros(1, context, dtype=torch.long, device=self.target.device)
         # (with the layers' states: transformers hooks them now, not traced)
         self.target.run(self.every_layer, input_ids=tokens, cache=prefill)
+        kept = cache_dir() / "passes" if self._packages is not None else os.environ[INDUCTOR_DIR]
         print(f"mtp: compiling the verification pass for {', '.join(map(str, self.buckets))} nodes on "
-              f"{self.target.device.type} (kept in {os.environ[INDUCTOR_DIR]} for later processes)",
-              end="", file=sys.stderr, flush=True)  # fmt: skip
+              f"{self.target.device.type} (kept in {kept} for later processes)", end="", file=sys.stderr,
+              flush=True)  # fmt: skip
         slots = torch.arange(context, device=self.target.device)[None]
         for size in self.buckets:
             self.load(prefill)
@@ -176,13 +186,68 @@ class CompiledPass:
             print(f" {size}: {time.perf_counter() - step:.0f} s", end="", file=sys.stderr, flush=True)
         print(f"; {time.perf_counter() - start:.0f} s in all", file=sys.stderr)
 
+    def _tracing(self) -> ExitStack:
+        """The settings the pass is traced and compiled under: grouped keys on a CPU (see `grouped_keys`), the usual
+        products (which inductor packs itself) and inductor's settings."""
+        stack = ExitStack()
+        for context in (grouped_keys(self.target.device.type == "cpu"), usual_linears(self.target.backbone),
+                        usual_linears(self.target.lm_head), inductor.patch(self.settings)):  # fmt: skip
+            stack.enter_context(context)
+        return stack
+
+    def _state(self) -> list[torch.Tensor]:
+        """The static cache's tensors, as a package takes them: each layer's keys, values and filled length."""
+        return [t for layer in self.cache.layers for t in (layer.keys, layer.values, layer.cumulative_length)]
+
+    def _package(self, size: int):
+        """The pass over `size` nodes as an AOTInductor package, loaded: from mtp's cache folder if a process made
+        it before for this model (its weights included), else exported and compiled now and kept there."""
+        if size in self._packages:
+            return self._packages[size]
+        path = self._package_path(size)
+        if not path.is_file():
+            tokens = torch.zeros(1, size, dtype=torch.long, device=self.target.device)
+            positions = 2 + torch.arange(size, device=tokens.device)[None]
+            mask = tree_attention_mask(torch.ones(1, size, size, dtype=torch.bool).tril(), positions,
+                                       torch.arange(2)[None], self.target.windows, self.target.dtype)  # fmt: skip
+            mask = torch.zeros(1, 1, size, 2 + size, dtype=self.target.dtype) if mask is None else mask
+            seen = torch.export.Dim("seen", min=size + 1, max=self.length - 1)  # every filled length: one package
+            shapes = {name: {3: seen} for name in mask} if isinstance(mask, dict) else {3: seen}
+            state = self._state()
+            with self._tracing():
+                exported = torch.export.export(_CacheInputs(self._forward, self.cache), (tokens, positions, mask,
+                                               *state), dynamic_shapes=(None, None, shapes, (None,) * len(state)),
+                                               strict=False)  # fmt: skip
+                path.parent.mkdir(parents=True, exist_ok=True)
+                staging = Path(tempfile.mkdtemp(dir=path.parent)) / path.name
+                torch._inductor.aoti_compile_and_package(exported, package_path=str(staging),
+                                                         inductor_configs=dict(self.settings))  # fmt: skip
+            os.replace(staging, path)  # written aside, then renamed: never half a package
+            staging.parent.rmdir()
+        self._packages[size] = torch._inductor.aoti_load_package(str(path))
+        return self._packages[size]
+
+    def _package_path(self, size: int) -> Path:
+        """Where the package of the pass over `size` nodes is kept: keyed by the machine, torch and transformers,
+        the model's configuration and weights (frozen into the package), the cache's length and what the pass
+        gives."""
+        key = hashlib.sha256()
+        parts = [device_name(self.target.device), torch.__version__, transformers.__version__, self.target.dtype,
+                 self.target.backbone.config.to_json_string(), self.length, self.every_layer,
+                 sorted(self.settings.items()), PACKAGES, size]  # fmt: skip
+        key.update(repr(parts).encode())
+        for name, weight in self._forward.state_dict().items():  # the weights' sums over 64 stretches each
+            sums = torch.stack([part.sum(dtype=torch.float64) for part in weight.detach().reshape(-1).chunk(64)])
+            key.update(name.encode() + sums.cpu().numpy().tobytes())
+        return cache_dir() / "passes" / f"{key.hexdigest()[:24]}-{size}.pt2"
+
 
 def _unpacked_linears() -> None:
-    """Keep the linear products as matrix products when freezing (no weight packed for MKL), for the process.
-    Packed, each weight becomes a oneDNN tensor that inductor's cache cannot save, so every process compiled the
-    whole pass again (60 s a node count on the 2-core Zen 4 EPYC); as products of frozen weights, the C++ GEMM
-    templates are still autotuned against ATen's and the compiled pass is kept on disk. (Inductor registers its
-    freezing passes once per process, here without the packing; a pass compiled before in the process keeps it.)"""
+    """Keep the linear products as matrix products when freezing (no weight packed for MKL), for the process: the
+    C++ GEMM templates are autotuned against ATen's products of the frozen weights, and no weight becomes a oneDNN
+    tensor (which inductor's FX graph cache could not save, when `torch.compile` compiled the CPU's pass). (Inductor
+    registers its freezing passes once per process, here without the packing; a pass compiled before in the process
+    keeps it.)"""
     from torch._inductor.fx_passes.freezing_patterns import lazy_init
 
     with inductor.patch({"cpp.weight_prepack": False}):
@@ -244,6 +309,25 @@ class _Pass(torch.nn.Module):
                             use_cache=True, output_hidden_states=self.every_layer)  # fmt: skip
         hidden = out.last_hidden_state
         return hidden, self.finish(self.lm_head(hidden)), out.hidden_states if self.every_layer else None
+
+
+class _CacheInputs(torch.nn.Module):
+    """The pass with the static cache's tensors as inputs (`CompiledPass._state`), its keys and values written into
+    them in place: exported code keeps no Python state. Each layer's own tensors come back after tracing."""
+
+    def __init__(self, forward: _Pass, cache: Cache):
+        super().__init__()
+        self.forward_pass, self.layers = forward, cache.layers
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask, *state: torch.Tensor) -> tuple:
+        own = [(layer.keys, layer.values, layer.cumulative_length) for layer in self.layers]
+        try:
+            for index, layer in enumerate(self.layers):
+                layer.keys, layer.values, layer.cumulative_length = state[3 * index : 3 * index + 3]
+            return self.forward_pass(input_ids, position_ids, mask)
+        finally:
+            for layer, tensors in zip(self.layers, own, strict=True):
+                layer.keys, layer.values, layer.cumulative_length = tensors
 
 
 def compile_pass(base_model, compile: bool | None = None, every_layer: bool = False) -> CompiledPass | None:
