@@ -219,11 +219,10 @@ class CompiledPass:
                                                *state), dynamic_shapes=(None, None, shapes, (None,) * len(state)),
                                                strict=False)  # fmt: skip
                 path.parent.mkdir(parents=True, exist_ok=True)
-                staging = Path(tempfile.mkdtemp(dir=path.parent)) / path.name
-                torch._inductor.aoti_compile_and_package(exported, package_path=str(staging),
-                                                         inductor_configs=dict(self.settings))  # fmt: skip
-            os.replace(staging, path)  # written aside, then renamed: never half a package
-            staging.parent.rmdir()
+                with tempfile.TemporaryDirectory(dir=path.parent) as staging:  # removed whatever happens
+                    made = torch._inductor.aoti_compile_and_package(exported, package_path=f"{staging}/{path.name}",
+                                                                    inductor_configs=dict(self.settings))  # fmt: skip
+                    os.replace(made, path)  # written aside, then renamed: never half a package
         self._packages[size] = torch._inductor.aoti_load_package(str(path))
         return self._packages[size]
 
