@@ -34,7 +34,7 @@ import tempfile
 import time
 import weakref
 from contextlib import ExitStack
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 
 import torch
@@ -79,7 +79,6 @@ class CompiledPass:
         self.cache = _SeenCache(layers=[StaticLayer(self.length) for _ in range(target.num_layers)])
         if os.environ.get(INDUCTOR_DIR, default_cache_dir()) == default_cache_dir():  # unless the user chose one
             os.environ[INDUCTOR_DIR] = str(cache_dir() / "inductor")  # kernels and autotuning kept beside mtp's
-        torch._dynamo.config.recompile_limit += 2 * len(buckets) + 2  # graphs of every pass made in the process
         # inductor's settings for tracing and compiling, set around each call: `torch.compile(options=...)` would
         # not freeze the weights (the tracer reads `freezing` from the global config)
         self.settings = {"freezing": True}
@@ -96,8 +95,10 @@ class CompiledPass:
         # frozen weights, its cache), not those of another pass compiled in the process
         self._forward = type("_Pass", (_Pass,), {})(target, self.cache, every_layer)
         self._packages = {} if target.device.type == "cpu" else None  # node count -> its package, loaded (CPU)
-        self._compiled = None if self._packages is not None else \
-            torch.compile(self._forward, dynamic=False, options={"guard_filter_fn": _guards})  # fmt: skip
+        self._compiled = None
+        if self._packages is None:
+            torch._dynamo.config.recompile_limit += 2 * len(buckets) + 2  # graphs of every pass made in the process
+            self._compiled = torch.compile(self._forward, dynamic=False, options={"guard_filter_fn": _guards})
 
     def claim(self, batch, filled: int) -> bool:
         """Give the static cache to the lone row of `batch` (`mtp.decoding.batch.Batch`), `filled` slots long, unless
@@ -152,7 +153,8 @@ class CompiledPass:
         if mask is None:  # one node after filled slots, no window: eagerly the model's own path, here a mask
             mask = torch.zeros(1, 1, size, filled + size, dtype=self.target.dtype, device=tokens.device)
         if bucket and self._packages is not None:
-            hidden, logits, states = self._package(bucket)(tokens, positions, mask, *self._state())
+            inputs = (tokens, positions, mask, *self._state())
+            hidden, logits, states = self._package(bucket, inputs)(*inputs)
         else:
             for each in mask.values() if isinstance(mask, dict) else [mask]:  # (1, 1, S, T+S): one graph for every
                 torch._dynamo.mark_dynamic(each, 3, min=2, max=self.length - 1)  # T (attention reads T+S slots)
@@ -199,25 +201,20 @@ class CompiledPass:
         """The static cache's tensors, as a package takes them: each layer's keys, values and filled length."""
         return [t for layer in self.cache.layers for t in (layer.keys, layer.values, layer.cumulative_length)]
 
-    def _package(self, size: int):
+    def _package(self, size: int, inputs: tuple):
         """The pass over `size` nodes as an AOTInductor package, loaded: from mtp's cache folder if a process made
-        it before for this model (its weights included), else exported and compiled now and kept there."""
+        it before for this model (its weights included), else exported from `inputs` (a pass's tokens, positions,
+        mask and `_state()`), compiled now and kept there."""
         if size in self._packages:
             return self._packages[size]
         path = self._package_path(size)
         if not path.is_file():
-            tokens = torch.zeros(1, size, dtype=torch.long, device=self.target.device)
-            positions = 2 + torch.arange(size, device=tokens.device)[None]
-            mask = tree_attention_mask(torch.ones(1, size, size, dtype=torch.bool).tril(), positions,
-                                       torch.arange(2)[None], self.target.windows, self.target.dtype)  # fmt: skip
-            mask = torch.zeros(1, 1, size, 2 + size, dtype=self.target.dtype) if mask is None else mask
+            mask = inputs[2]
             seen = torch.export.Dim("seen", min=size + 1, max=self.length - 1)  # every filled length: one package
             shapes = {name: {3: seen} for name in mask} if isinstance(mask, dict) else {3: seen}
-            state = self._state()
             with self._tracing():
-                exported = torch.export.export(_CacheInputs(self._forward, self.cache), (tokens, positions, mask,
-                                               *state), dynamic_shapes=(None, None, shapes, (None,) * len(state)),
-                                               strict=False)  # fmt: skip
+                exported = torch.export.export(_CacheInputs(self._forward, self.cache), inputs, strict=False,
+                                               dynamic_shapes=(None, None, shapes, (None,) * (len(inputs) - 3)))
                 path.parent.mkdir(parents=True, exist_ok=True)
                 with tempfile.TemporaryDirectory(dir=path.parent) as staging:  # removed whatever happens
                     made = torch._inductor.aoti_compile_and_package(exported, package_path=f"{staging}/{path.name}",
@@ -234,11 +231,15 @@ class CompiledPass:
         parts = [device_name(self.target.device), torch.__version__, transformers.__version__, self.target.dtype,
                  self.target.backbone.config.to_json_string(), self.length, self.every_layer,
                  sorted(self.settings.items()), PACKAGES, size]  # fmt: skip
-        key.update(repr(parts).encode())
-        for name, weight in self._forward.state_dict().items():  # the weights' sums over 64 stretches each
-            sums = torch.stack([part.sum(dtype=torch.float64) for part in weight.detach().reshape(-1).chunk(64)])
-            key.update(name.encode() + sums.cpu().numpy().tobytes())
+        key.update(repr(parts).encode() + self._weights)
         return cache_dir() / "passes" / f"{key.hexdigest()[:24]}-{size}.pt2"
+
+    @cached_property
+    def _weights(self) -> bytes:
+        """The weights as the packages' key holds them: each tensor's name and its sums over 64 stretches."""
+        sums = [(name, torch.stack([part.sum(dtype=torch.float64) for part in weight.detach().reshape(-1).chunk(64)]))
+                for name, weight in self._forward.state_dict().items()]  # fmt: skip
+        return b"".join(name.encode() + each.cpu().numpy().tobytes() for name, each in sums)
 
 
 def _unpacked_linears() -> None:
