@@ -40,7 +40,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--no-tune", dest="tune", action="store_false", help="compile without autotuning the GEMMs")
+    parser.add_argument("--no-templates", dest="templates", action="store_false",
+                        help="compile the products as ATen's, not inductor's C++ GEMM templates (CPU)")  # fmt: skip
     args = parser.parse_args()
     model, _ = load_base(args.base_model, args.device, getattr(torch, args.dtype))
     target = Target(model)
@@ -50,7 +51,7 @@ def main() -> None:
     target.run(False, input_ids=prompt, cache=prefill)
     slots = torch.arange(args.context, device=model.device)[None]  # (1, T)
     start = time.perf_counter()
-    compiled = CompiledPass(target, buckets=tuple(sorted(args.nodes)), tune=args.tune)
+    compiled = CompiledPass(target, buckets=tuple(sorted(args.nodes)), templates=args.templates)
     compiled.warm_up()
     compile_seconds = time.perf_counter() - start
 
@@ -79,7 +80,7 @@ def main() -> None:
         rows.append((nodes, median_ms(partial(eager, nodes), model.device, args.repeats),
                      median_ms(partial(compiled_pass, nodes), model.device, args.repeats)))  # fmt: skip
     print(f"{device_name(model.device)}, {args.dtype}, {args.context} tokens of context, {compiled.length} slots; "
-          f"compiling {len(args.nodes)} node counts {'with' if args.tune else 'without'} autotuning took "
+          f"compiling {len(args.nodes)} node counts {'with' if args.templates else 'without'} GEMM templates took "
           f"{compile_seconds:.0f} s")  # fmt: skip
     print("| nodes | eager ms | compiled ms | compiled / eager | eager / eager 1 | compiled / compiled 1 |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: |")

@@ -21,7 +21,7 @@ if [ "$device" = cuda ]; then
     $python -c "import torch; print(torch.cuda.get_device_name(), 'torch', torch.__version__)"
 else
     accelerator=cpu dtype=float32 nodes=3 questions=1 tokens=16 precision=32-true
-    passes=(--nodes 1 4 --base-model configs/models/tiny-llama/config.json --context 32 --repeats 3 --no-tune)
+    passes=(--nodes 1 4 --base-model configs/models/tiny-llama/config.json --context 32 --repeats 3 --no-templates)
     train=(--base_model configs/models/tiny-llama/config.json --data data/tiny_chat.jsonl --draft_vocab 60
            --batch_size 2 --max_length 64 --steps 2)
 fi

@@ -1,7 +1,8 @@
 """The compiled verification pass (mtp.decoding.compiled): the same logits as the eager pass in every bucket, the
 cache after acceptance a causal run's, no compiling while decoding, greedy output plain greedy output alone and in
 batches, and the ways back to eager steps (the cache's end, a second row, a tree past the largest bucket, a model
-that does not compile). Compiled without autotuning (tune=False), which changes kernels, not what they compute."""
+that does not compile). Compiled with ATen's products (templates=False, which compiles faster) but in one test,
+which changes kernels, not what they compute."""
 
 import json
 from itertools import zip_longest
@@ -38,7 +39,7 @@ def model():
 @pytest.fixture(scope="module")
 def compiled(model):
     """The tiny Llama's pass compiled for 1 and 4 nodes over 256 slots, with every layer's hidden states."""
-    compiled = CompiledPass(Target(model), every_layer=True, buckets=(1, 4), length=256, tune=False)
+    compiled = CompiledPass(Target(model), every_layer=True, buckets=(1, 4), length=256, templates=False)
     compiled.warm_up()
     return compiled
 
@@ -71,6 +72,24 @@ def test_compiled_logits_equal_the_eager_passes_in_every_bucket(model, compiled,
     torch.testing.assert_close(ours.last, theirs.last, atol=1e-5, rtol=1e-4)
     assert len(ours.layers) == len(theirs.layers) == model.config.num_hidden_layers + 1
     assert int(compiled.cache.get_seq_length()) == prompt.shape[1] + (compiled.bucket(tree.size) or tree.size)
+
+
+def test_the_products_as_cpp_gemm_templates_as_a_cpu_compiles_them_by_default_give_the_eager_logits(tokenizer):
+    """The pass as mtp compiles it on a CPU by default (each product inductor's C++ GEMM template, its weight packed
+    into the template's blocks), 3 nodes padded to 4: every node's logits those of the eager pass."""
+    model = tiny_model(seed=2)
+    compiled = CompiledPass(Target(model), buckets=(4,), length=64)
+    prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
+    tokens, positions = torch.tensor([[5, 9, 7]]), prompt.shape[1] + torch.tensor([[0, 1, 1]])
+    tree_mask = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool)
+    slots = torch.arange(prompt.shape[1])[None]
+    with torch.no_grad():
+        compiled.load(prefilled(model, prompt))
+        ours = compiled.run(tokens, positions, tree_mask, slots)
+        mask = tree_attention_mask(tree_mask, positions, slots, compiled.target.windows, compiled.target.dtype)
+        theirs = compiled.target.run(False, input_ids=tokens, position_ids=positions, attention_mask=mask,
+                                     cache=prefilled(model, prompt))  # fmt: skip
+    torch.testing.assert_close(ours.logits, compiled.target.logits(theirs.last), atol=1e-5, rtol=1e-4)
 
 
 def test_the_static_cache_after_acceptance_equals_a_causal_run(model, compiled, tokenizer):
@@ -154,7 +173,7 @@ def test_a_sliding_window_model_keeps_its_window_when_compiled(tokenizer):
     """Mistral with a window of 16: the compiled pass takes the windowed mask, and 60 tokens (past the window)
     equal plain greedy decoding."""
     model = tiny_model("mistral", **SLIDING["mistral"])
-    compiled = CompiledPass(Target(model), buckets=(4,), length=128, tune=False)
+    compiled = CompiledPass(Target(model), buckets=(4,), length=128, templates=False)
     prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
     result = Decoder(model, tokenizer, random_heads(model, num_heads=3), SMALL, compiled=compiled).generate(
         PROMPT, max_new_tokens=60
@@ -166,7 +185,7 @@ def test_two_models_compiled_in_one_process_decode_each_on_its_own_weights_and_c
     """A second tiny Llama, other weights, compiled with the same shapes as the module's: each decoder's greedy
     output is its own model's (a pass that found the other's graph would run its frozen weights over its cache)."""
     other = tiny_model(seed=1)
-    second = CompiledPass(Target(other), every_layer=True, buckets=(1, 4), length=256, tune=False)
+    second = CompiledPass(Target(other), every_layer=True, buckets=(1, 4), length=256, templates=False)
     second.warm_up()
     prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
     for each, its_pass in [(other, second), (model, compiled), (other, second)]:
@@ -201,12 +220,12 @@ def test_the_compiled_pass_is_kept_on_disk_and_loaded_later_for_the_same_weights
     monkeypatch.setenv("MTP_CACHE", str(tmp_path))
     made, make = [], torch._inductor.aoti_compile_and_package
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", lambda *a, **k: made.append(1) or make(*a, **k))
-    CompiledPass(Target(model), buckets=(2,), length=64, tune=False).warm_up()
+    CompiledPass(Target(model), buckets=(2,), length=64, templates=False).warm_up()
     assert len(made) == 1 and len(list((tmp_path / "passes").glob("*-2.pt2"))) == 1
-    CompiledPass(Target(model), buckets=(2,), length=64, tune=False).warm_up()
+    CompiledPass(Target(model), buckets=(2,), length=64, templates=False).warm_up()
     assert len(made) == 1  # loaded
     other = tiny_model(seed=1)
-    second = CompiledPass(Target(other), buckets=(2,), length=64, tune=False)
+    second = CompiledPass(Target(other), buckets=(2,), length=64, templates=False)
     second.warm_up()
     assert len(made) == 2 and len(list((tmp_path / "passes").glob("*-2.pt2"))) == 2
     prompt = tokenizer(PROMPT, return_tensors="pt").input_ids

@@ -4,8 +4,8 @@ eager kernels and per-operation overhead charge.
 
 Eager PyTorch pays per operation and multiplies a few rows by each weight matrix with kernels made for many; an
 eager pass over 4 nodes of SmolLM2-135M cost 1.5 to 1.65 one-token passes on our 2-core CPUs. Inductor fuses the
-small operations and, on a CPU, with the weights frozen as constants, packs each weight once for the GEMM kernel it
-autotuned; on a GPU `torch.compile` replays the pass as a CUDA graph. Both need fixed shapes, so the pass runs for a
+small operations and, on a CPU, with the weights frozen as constants, packs each weight once into the blocks of its C++
+GEMM template for the pass's shapes; on a GPU `torch.compile` replays the pass as a CUDA graph. Both need fixed shapes, so the pass runs for a
 few node counts (`BUCKETS`: a tree is padded up to the next one with nodes that only see themselves) over a cache
 of `LENGTH` slots allocated once (transformers' static cache layers): a pass writes its nodes after the filled
 slots, `mtp.decoding.cache.keep_accepted` copies the accepted ones into place and the rest are overwritten by the
@@ -19,7 +19,7 @@ logits agree to rounding (tests/test_compiled.py), so greedy output is plain gre
 On a CPU each bucket's pass is exported (`torch.export`) and compiled ahead of time into an AOTInductor package,
 with the static cache's tensors as inputs that it writes in place and the weights frozen into it, and kept under
 mtp's cache folder (`passes/`), keyed by the machine, torch, transformers, the model's configuration and its
-weights: the first load on a machine compiles (about 105 s a node count for SmolLM2 on the 2-core Zen 4 EPYC), a
+weights: the first load on a machine compiles (about 55 s a node count for SmolLM2 on the 2-core Zen 4 EPYC), a
 later process loads the packages (2.4 s in all, against 49-61 s when it traced and froze the model again through
 `torch.compile`), and a model of the same shapes with other weights gets packages of its own. A package runs no
 Python and checks no guards between kernels: a one-node pass of SmolLM2 took 20.6 ms there, against 24.8 ms
@@ -34,7 +34,7 @@ import tempfile
 import time
 import weakref
 from contextlib import ExitStack
-from functools import cached_property, partial
+from functools import cache, cached_property, partial
 from pathlib import Path
 
 import torch
@@ -66,12 +66,15 @@ class CompiledPass:
         every_layer: passes give every layer's hidden states too (for a drafter that reads features).
         buckets: node counts to compile, ascending.
         length: cache slots.
-        tune: on a CPU, autotune each product's kernel among inductor's C++ GEMM templates and oneDNN/MKL (the
-            templates win for a few rows); False compiles faster (tests).
+        templates: on a CPU, each product as inductor's C++ GEMM template for its shapes, with the weight packed into
+            its blocks (False: ATen's products, which compile faster: tests). Autotuning the template against ATen's
+            products, as inductor offers, timed each product alone with its weight in the CPU's cache and chose ATen's
+            for two of SmolLM2's products at 8 rows, where the pass streams every weight from memory: that pass took
+            45.5 ms, against 34.6 ms with the templates alone (the 2-core Zen 4 EPYC, one process).
     """
 
     def __init__(self, target: Target, every_layer: bool = False, buckets: tuple[int, ...] = BUCKETS,
-                 length: int = LENGTH, tune: bool = True):  # fmt: skip
+                 length: int = LENGTH, templates: bool = True):  # fmt: skip
         if list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
             raise ValueError(f"buckets={buckets}: give node counts from 1 up, ascending, each once.")
         self.target, self.every_layer, self.buckets = target, every_layer, tuple(buckets)
@@ -85,11 +88,10 @@ class CompiledPass:
         if target.device.type == "cuda":  # replayed as a CUDA graph: one launch per pass
             self.settings["triton.cudagraphs"] = True
         else:
-            self.settings |= {"max_autotune": tune, "max_autotune_gemm_backends": "CPP,ATEN",
-                              "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
-            # (no table nor line per product on stderr)
+            self.settings |= {"max_autotune": templates, "max_autotune_gemm_backends": "CPP"}
             self.settings |= _vector_isa()
             _unpacked_linears()
+            _templates_parsed_once()
         self._holder = None  # a weak reference to the batch decoding on the static cache
         # a class of its own: the one guard kept on the module is its type, which finds this pass's graphs (its
         # frozen weights, its cache), not those of another pass compiled in the process
@@ -243,15 +245,26 @@ class CompiledPass:
 
 
 def _unpacked_linears() -> None:
-    """Keep the linear products as matrix products when freezing (no weight packed for MKL), for the process: the
-    C++ GEMM templates are autotuned against ATen's products of the frozen weights, and no weight becomes a oneDNN
-    tensor (which inductor's FX graph cache could not save, when `torch.compile` compiled the CPU's pass). (Inductor
+    """Keep the linear products as matrix products when freezing (no weight packed for MKL), for the process: they
+    reach inductor as products of frozen weights, which it lowers to its C++ GEMM templates, and no weight becomes a
+    oneDNN tensor (which inductor's FX graph cache could not save, when `torch.compile` compiled the CPU's pass). (Inductor
     registers its freezing passes once per process, here without the packing; a pass compiled before in the process
     keeps it.)"""
     from torch._inductor.fx_passes.freezing_patterns import lazy_init
 
     with inductor.patch({"cpp.weight_prepack": False}):
         lazy_init()
+
+
+def _templates_parsed_once() -> None:
+    """Let inductor parse each of its C++ kernel templates once in the process, not once per product rendered: it
+    parses the same few Jinja sources again for each of the 211 products of SmolLM2's pass, twice (22 of the 97 s that
+    one node count's package took to compile on the 2-core Zen 4 EPYC). A parsed template renders any options."""
+    from torch._inductor.codegen.common import KernelTemplate
+
+    parse = KernelTemplate._template_from_string
+    if not hasattr(parse, "cache_info"):
+        KernelTemplate._template_from_string = staticmethod(cache(parse))
 
 
 def _vector_isa() -> dict:
