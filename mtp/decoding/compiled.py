@@ -4,12 +4,13 @@ eager kernels and per-operation overhead charge.
 
 Eager PyTorch pays per operation and multiplies a few rows by each weight matrix with kernels made for many; an
 eager pass over 4 nodes of SmolLM2-135M cost 1.5 to 1.65 one-token passes on our 2-core CPUs. Inductor fuses the
-small operations and, on a CPU, with the weights frozen as constants, packs each weight once into the blocks of its C++
-GEMM template for the pass's shapes; on a GPU `torch.compile` replays the pass as a CUDA graph. Both need fixed shapes, so the pass runs for a
-few node counts (`BUCKETS`: a tree is padded up to the next one with nodes that only see themselves) over a cache
-of `LENGTH` slots allocated once (transformers' static cache layers): a pass writes its nodes after the filled
-slots, `mtp.decoding.cache.keep_accepted` copies the accepted ones into place and the rest are overwritten by the
-next pass. Nothing is compiled while decoding: every bucket is compiled when the decoder is made (`warm_up`).
+small operations and, on a CPU, with the weights frozen as constants, packs each weight once into the blocks of its
+C++ GEMM template for the pass's shapes; on a GPU `torch.compile` replays the pass as a CUDA graph. Both need fixed
+shapes, so the pass runs for a few node counts (`BUCKETS`: a tree is padded up to the next one with nodes that only
+see themselves) over a cache of `LENGTH` slots allocated once (transformers' static cache layers): a pass writes its
+nodes after the filled slots, `mtp.decoding.cache.keep_accepted` copies the accepted ones into place and the rest
+are overwritten by the next pass. Nothing is compiled while decoding: every bucket is compiled when the decoder is
+made (`warm_up`).
 
 One row at a time: when a second row joins a batch, or a pass would run past the cache's end, the cache moves into
 a dynamic one and passes run eagerly from there on (`mtp.decoding.batch`); a pass over more nodes than the largest
@@ -66,11 +67,13 @@ class CompiledPass:
         every_layer: passes give every layer's hidden states too (for a drafter that reads features).
         buckets: node counts to compile, ascending.
         length: cache slots.
-        templates: on a CPU, each product as inductor's C++ GEMM template for its shapes, with the weight packed into
-            its blocks (False: ATen's products, which compile faster: tests). Autotuning the template against ATen's
-            products, as inductor offers, timed each product alone with its weight in the CPU's cache and chose ATen's
-            for two of SmolLM2's products at 8 rows, where the pass streams every weight from memory: that pass took
-            45.5 ms, against 34.6 ms with the templates alone (the 2-core Zen 4 EPYC, one process).
+        templates: on a CPU, the products as inductor's C++ GEMM templates for their shapes, each weight packed into
+            the template's blocks: in float32 the templates alone, in other dtypes autotuned against ATen's products
+            (False: ATen's products alone, which compile faster: tests). In float32, autotuning timed each product
+            alone with its weight in the CPU's cache and chose ATen's for two of SmolLM2's products at 8 rows, where
+            the pass streams every weight from memory: that pass took 45.5 ms, against 34.6 ms with the templates
+            alone; in bfloat16 ATen's (oneDNN's) products won at 8 rows: 30.6 ms against 44.5 with the templates
+            alone (the 2-core Zen 4 EPYC, avx512_bf16).
     """
 
     def __init__(self, target: Target, every_layer: bool = False, buckets: tuple[int, ...] = BUCKETS,
@@ -88,7 +91,10 @@ class CompiledPass:
         if target.device.type == "cuda":  # replayed as a CUDA graph: one launch per pass
             self.settings["triton.cudagraphs"] = True
         else:
-            self.settings |= {"max_autotune": templates, "max_autotune_gemm_backends": "CPP"}
+            tuned = target.dtype != torch.float32
+            self.settings |= {"max_autotune": templates, "max_autotune_gemm_backends": "CPP,ATEN" if tuned else "CPP",
+                              "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
+            # (no table nor line per product on stderr)
             self.settings |= _vector_isa()
             _unpacked_linears()
             _templates_parsed_once()
@@ -247,9 +253,9 @@ class CompiledPass:
 def _unpacked_linears() -> None:
     """Keep the linear products as matrix products when freezing (no weight packed for MKL), for the process: they
     reach inductor as products of frozen weights, which it lowers to its C++ GEMM templates, and no weight becomes a
-    oneDNN tensor (which inductor's FX graph cache could not save, when `torch.compile` compiled the CPU's pass). (Inductor
-    registers its freezing passes once per process, here without the packing; a pass compiled before in the process
-    keeps it.)"""
+    oneDNN tensor (which inductor's FX graph cache could not save, when `torch.compile` compiled the CPU's pass).
+    (Inductor registers its freezing passes once per process, here without the packing; a pass compiled before in
+    the process keeps it.)"""
     from torch._inductor.fx_passes.freezing_patterns import lazy_init
 
     with inductor.patch({"cpp.weight_prepack": False}):
