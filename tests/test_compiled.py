@@ -74,10 +74,14 @@ def test_compiled_logits_equal_the_eager_passes_in_every_bucket(model, compiled,
     assert int(compiled.cache.get_seq_length()) == prompt.shape[1] + (compiled.bucket(tree.size) or tree.size)
 
 
-def test_the_products_as_cpp_gemm_templates_as_a_cpu_compiles_them_by_default_give_the_eager_logits(tokenizer):
-    """The pass as mtp compiles it on a CPU by default (each product inductor's C++ GEMM template, its weight packed
-    into the template's blocks), 3 nodes padded to 4: every node's logits those of the eager pass."""
-    model = tiny_model(seed=2)
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_the_cpp_gemm_templates_a_cpu_compiles_by_default_give_the_eager_logits(attention, tokenizer, monkeypatch,
+                                                                                 tmp_path):  # fmt: skip
+    """The pass as mtp compiles it on a CPU by default (in float32 each product inductor's C++ GEMM template, its
+    weight packed into the template's blocks), 3 nodes padded to 4: every node's logits those of the eager pass.
+    Attention written as products of activations (eager), which no template computes, compiles too."""
+    monkeypatch.setenv("MTP_CACHE", str(tmp_path))  # compiled here (a package's key holds no attention's kind)
+    model = tiny_model(seed=2, attn_implementation=attention)
     compiled = CompiledPass(Target(model), buckets=(4,), length=64)
     prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
     tokens, positions = torch.tensor([[5, 9, 7]]), prompt.shape[1] + torch.tensor([[0, 1, 1]])

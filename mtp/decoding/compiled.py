@@ -225,8 +225,7 @@ class CompiledPass:
                                                dynamic_shapes=(None, None, shapes, (None,) * (len(inputs) - 3)))
                 path.parent.mkdir(parents=True, exist_ok=True)
                 with tempfile.TemporaryDirectory(dir=path.parent) as staging:  # removed whatever happens
-                    made = torch._inductor.aoti_compile_and_package(exported, package_path=f"{staging}/{path.name}",
-                                                                    inductor_configs=dict(self.settings))  # fmt: skip
+                    made = _compile(exported, f"{staging}/{path.name}", self.settings)
                     os.replace(made, path)  # written aside, then renamed: never half a package
         self._packages[size] = torch._inductor.aoti_load_package(str(path))
         return self._packages[size]
@@ -248,6 +247,24 @@ class CompiledPass:
         sums = [(name, torch.stack([part.sum(dtype=torch.float64) for part in weight.detach().reshape(-1).chunk(64)]))
                 for name, weight in self._forward.state_dict().items()]  # fmt: skip
         return b"".join(name.encode() + each.cpu().numpy().tobytes() for name, each in sums)
+
+
+def _compile(exported, path: str, settings: dict) -> str:
+    """`exported` compiled into an AOTInductor package at `path` under inductor's `settings`. Where the C++ GEMM
+    templates alone cannot compute every product (a product of two activations, as attention written as matrix
+    products computes), the products are autotuned against ATen's instead."""
+    try:
+        return torch._inductor.aoti_compile_and_package(exported, package_path=path, inductor_configs=dict(settings))
+    except Exception as error:
+        causes = [error]
+        while causes[-1].__cause__ or causes[-1].__context__:
+            causes.append(causes[-1].__cause__ or causes[-1].__context__)
+        if settings.get("max_autotune_gemm_backends") != "CPP" or not any(
+            type(cause).__name__ == "NoValidChoicesError" for cause in causes
+        ):
+            raise
+    settings = settings | {"max_autotune_gemm_backends": "CPP,ATEN"}
+    return torch._inductor.aoti_compile_and_package(exported, package_path=path, inductor_configs=settings)
 
 
 def _unpacked_linears() -> None:
