@@ -19,6 +19,7 @@ from mtp.base import load_tokenizer
 from mtp.decoding.cache import tree_attention_mask
 from mtp.decoding.compiled import CompiledPass, compile_pass
 from mtp.decoding.decoder import Decoder, GenerationResult
+from mtp.decoding.lookup import Lookup
 from mtp.decoding.target import Target
 from mtp.decoding.tree import Tree
 from mtp.machine import device_name
@@ -171,6 +172,21 @@ def test_two_interleaved_streams_of_one_decoder_do_not_share_the_static_cache(mo
         pass
     for prompt, result in zip(prompts, results, strict=True):
         assert result.token_ids == reference(model, tokenizer(prompt, return_tensors="pt").input_ids, 40)
+
+
+def test_lookup_past_the_largest_bucket_is_cut_to_it_and_every_pass_runs_compiled(model, compiled, tokenizer,
+                                                                                   monkeypatch):  # fmt: skip
+    """Prompt lookup proposing up to 10 tokens beside a 4-node tree, 4 nodes the largest bucket: lookup's nodes past
+    it are dropped, so no pass runs eagerly over more nodes, and greedy output stays plain greedy."""
+    text = "one two three four five six seven eight nine ten eleven twelve " * 3
+    run, sizes, cuts, head = compiled.run, [], [], Tree.head
+    monkeypatch.setattr(compiled, "run", lambda tokens, *rest: sizes.append(tokens.shape[1]) or run(tokens, *rest))
+    monkeypatch.setattr(Tree, "head", lambda tree, size: cuts.append(tree.size > size) or head(tree, size))
+    decoder = Decoder(model, tokenizer, random_heads(model, num_heads=3), SMALL, Lookup((10, 10, 10)),
+                      compiled=compiled)  # fmt: skip
+    result = decoder.generate(text, max_new_tokens=40)
+    assert result.token_ids == reference(model, tokenizer(text, return_tensors="pt").input_ids, 40)
+    assert any(cuts) and max(sizes) == 4  # lookup proposed past 4 nodes, and was cut
 
 
 def test_a_sliding_window_model_keeps_its_window_when_compiled(tokenizer):

@@ -113,12 +113,19 @@ class Batch:
 
     def propose(self, plan: Plan) -> tuple[list[Tree], list[torch.Tensor]]:
         """Each row's tree and its tokens (N_b+1,) by `plan`: every drafter's candidates in turn, none past the
-        row's room."""
+        row's room. On the static cache, a grafting drafter's (prompt lookup's) nodes past the largest compiled
+        pass are dropped: a pass over more nodes runs eagerly, which costs about three compiled ones (108 ms under
+        cProfile against 33-35 ms for 8 nodes compiled, SmolLM2 on the 2-core Zen 4 EPYC)."""
         trees = [self.root] * len(self.rows)
         tokens = [torch.tensor([row.root], device=self.device) for row in self.rows]
         rooms = [row.room for row in self.rows]
         for source, proposer in enumerate(self.proposers):
+            sizes = [tree.size for tree in trees]
             trees, tokens = proposer.propose(plan, trees, tokens, rooms, source)
+            if proposer.grafts and self.static:  # (grafted nodes come last)
+                most = [max(size, self.compiled.buckets[-1]) for size in sizes]
+                trees = [tree.head(n) for tree, n in zip(trees, most, strict=True)]
+                tokens = [row[:n] for row, n in zip(tokens, most, strict=True)]
         return trees, tokens
 
     @torch.no_grad()

@@ -137,8 +137,10 @@ def machine_pacer(model, tokenizer, heads: Drafts, candidates: list[Candidate], 
                                batch=batch, bound=bound, compiled=compiled), fresh=fresh.append)  # fmt: skip
         last = SIZES[len(timed_costs) - 1]  # the largest size timed
         costs = step_costs(timed_costs, last + max(len(c.nodes) for c in candidates))
-        options = [(Plan(trees[c.size], Lookup(c.lookup) if any(c.lookup) else None, c), c.seconds(costs, batch))
-                   for c in candidates if c.size <= last]  # fmt: skip
+        largest = compiled.buckets[-1] if compiled is not None and batch == 1 else len(costs)  # lookup's nodes past
+        # it are dropped (`mtp.decoding.batch.Batch.propose`)
+        options = [(Plan(trees[c.size], Lookup(c.lookup) if any(c.lookup) else None, c),
+                    c.seconds(costs[: max(c.size, largest)], batch)) for c in candidates if c.size <= last]  # fmt: skip
         if fresh:
             plan, seconds = fastest(options, [(1.0, 1.0)] * batch)
             ratios = ", ".join(f"{n} nodes {costs[n - 1] / costs[0]:.2f}x" for n in (2, 3, 4, 8) if n <= last)

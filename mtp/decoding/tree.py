@@ -106,6 +106,13 @@ class Tree:
         grafted = Tree._build(paths, parents, ranks, sources).to(self.parents.device)
         return grafted, torch.cat([tokens, torch.tensor(rest, device=tokens.device)])
 
+    def head(self, size: int) -> "Tree":
+        """The tree of its first `size` nodes (a node's parent comes before it); itself if it has no more."""
+        if size >= self.size:
+            return self
+        parents, ranks, sources = (t[:size].cpu() for t in (self.parents, self.ranks, self.sources))
+        return Tree._build(self.paths[: size - 1], parents, ranks, sources).to(self.parents.device)
+
     @property
     def size(self) -> int:
         """Number of nodes, root included: the tokens one verification pass feeds the base model."""
