@@ -97,6 +97,16 @@ def test_the_cpp_gemm_templates_a_cpu_compiles_by_default_give_the_eager_logits(
     torch.testing.assert_close(ours.logits, compiled.target.logits(theirs.last), atol=1e-5, rtol=1e-4)
 
 
+def test_the_templates_float_micro_kernel_is_mtps_on_the_torch_it_installs():
+    """The micro-kernel that keeps its accumulators in registers (an 8-node pass of SmolLM2 1.7 -> 1.5 one-node
+    passes on the Zen 4 EPYC) replaces inductor's on the torch that scripts/setup.sh installs: a torch whose template
+    no longer has the replaced text would silently lose it. (The test above computes through it.)"""
+    from torch._inductor.codegen.cpp_micro_gemm import CppMicroGemmFP32Vec
+
+    compiled_module._accumulators_in_registers()
+    assert compiled_module._MICRO_KERNEL in CppMicroGemmFP32Vec.TEMPLATE_KERNEL
+
+
 def test_the_static_cache_after_acceptance_equals_a_causal_run(model, compiled, tokenizer):
     """Steps of oracle heads accept several nodes each, copied into place from their padded pass; the filled slots
     then hold what a causal run over the prompt and the settled tokens caches."""

@@ -25,10 +25,11 @@ BATCH_MAX_NODES = 16  # the largest tree timed for a step over several rows (a b
 ROUNDS = 4  # every size is timed once a round, in turn, forward then backward: the median of its steps is then
 # taken at the same moment for all sizes when the host's speed drifts steadily
 CONTEXT = 256  # prompt tokens before the timed steps
-STEPS = 4  # the version of a step's code and its timing, in the costs' key: raised when a change makes steps cheaper
+STEPS = 5  # the version of a step's code and its timing, in the costs' key: raised when a change makes steps cheaper
 # or dearer, or times them otherwise, so that costs measured before it are measured again (2: the heads' draft
 # products as measured faster, 5.6 -> 2.8 ms a 4-node tree step in float32 on the Zen 4 EPYC; 3: sizes timed in
-# turn, ROUNDS; 4: the CPU's products as C++ GEMM templates alone in float32, an 8-node pass 45.5 -> 34.6 ms)
+# turn, ROUNDS; 4: the CPU's products as C++ GEMM templates alone in float32, an 8-node pass 45.5 -> 34.6 ms; 5: their
+# micro-kernel's accumulators kept in registers, an 8-node pass 33.0 -> 21.7 ms)
 
 
 def timed_sizes(paths: list[Path], batch: int) -> list[int]:
