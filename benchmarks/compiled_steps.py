@@ -1,6 +1,8 @@
 """The base model's verification pass over n tree nodes after a prompt, eager (a dynamic cache, as a batch of
 several rows runs it) against compiled (`mtp.decoding.compiled`, as one row runs it), in one process: the median
-milliseconds of each and their ratios to the eager and the compiled one-node pass, and the compile time.
+milliseconds of each and their ratios to the eager and the compiled one-node pass, and the compile time. Every pass
+is timed in turn, round after round, so that a change in the host's speed (a one-node pass swings between 13 and
+20 ms on the 2-core Zen 4 EPYC) falls on every node count alike.
 
     python benchmarks/compiled_steps.py --nodes 1 2 4 8 16 --dtype float32
 """
@@ -20,15 +22,17 @@ from mtp.decoding.target import Target
 from mtp.machine import device_name
 
 
-def median_ms(call, device: torch.device, repeats: int) -> float:
-    spent = []
+def medians_ms(calls: list, device: torch.device, repeats: int) -> list[float]:
+    """Each of `calls` timed once per round, `repeats` rounds: the median milliseconds of each."""
+    spent = [[] for _ in calls]
     for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        spent.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(spent)
+        for call, times in zip(calls, spent, strict=True):
+            start = time.perf_counter()
+            call()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    return [1e3 * statistics.median(times) for times in spent]
 
 
 @torch.no_grad()
@@ -37,7 +41,7 @@ def main() -> None:
     parser.add_argument("--base-model", default=DEFAULT_BASE)
     parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--context", type=int, default=256, help="prompt tokens before the pass")
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=30, help="rounds")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--no-templates", dest="templates", action="store_false",
@@ -74,11 +78,11 @@ def main() -> None:
         compiled.load(prefill)
         compiled.run(*inputs(nodes), slots)
 
-    rows = []
-    for nodes in args.nodes:
-        eager(nodes), compiled_pass(nodes)  # warm-up
-        rows.append((nodes, median_ms(partial(eager, nodes), model.device, args.repeats),
-                     median_ms(partial(compiled_pass, nodes), model.device, args.repeats)))  # fmt: skip
+    calls = [partial(run, nodes) for nodes in args.nodes for run in (eager, compiled_pass)]
+    for call in calls:  # warm-up
+        call()
+    spent = medians_ms(calls, model.device, args.repeats)
+    rows = [(nodes, spent[2 * index], spent[2 * index + 1]) for index, nodes in enumerate(args.nodes)]
     print(f"{device_name(model.device)}, {args.dtype}, {args.context} tokens of context, {compiled.length} slots; "
           f"compiling {len(args.nodes)} node counts {'with' if args.templates else 'without'} GEMM templates took "
           f"{compile_seconds:.0f} s")  # fmt: skip
