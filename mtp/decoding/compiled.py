@@ -55,7 +55,7 @@ BUCKETS = (1, 4, 8)  # node counts compiled, a tree padded up to the next (each 
 # compiled ran no faster than eagerly on the Zen 4 EPYC: docs/reference-runs.md#compiled-passes)
 LENGTH = 1024  # cache slots: prompt, answer and one pass's nodes must fit
 INDUCTOR_DIR = "TORCHINDUCTOR_CACHE_DIR"
-PACKAGES = 2  # the version of a packaged pass's code, in its key: raised when a change alters what a package computes
+PACKAGES = 3  # the version of a packaged pass's code, in its key: raised when a change alters what a package computes
 
 
 class CompiledPass:
@@ -68,12 +68,12 @@ class CompiledPass:
         buckets: node counts to compile, ascending.
         length: cache slots.
         templates: on a CPU, the products as inductor's C++ GEMM templates for their shapes, each weight packed into
-            the template's blocks: in float32 the templates alone, in other dtypes autotuned against ATen's products
-            (False: ATen's products alone, which compile faster: tests). In float32, autotuning timed each product
-            alone with its weight in the CPU's cache and chose ATen's for two of SmolLM2's products at 8 rows, where
-            the pass streams every weight from memory: that pass took 45.5 ms, against 34.6 ms with the templates
-            alone; in bfloat16 ATen's (oneDNN's) products won at 8 rows: 30.6 ms against 44.5 with the templates
-            alone (the 2-core Zen 4 EPYC, avx512_bf16).
+            the template's blocks, not autotuned against ATen's products (False: ATen's products alone, which
+            compile faster: tests). Autotuning timed each product alone with its weight in the CPU's cache and, in
+            float32, chose ATen's for two of SmolLM2's products at 8 rows, where the pass streams every weight from
+            memory: that pass took 45.5 ms, against 34.6 ms with the templates alone (the 2-core Zen 4 EPYC); in
+            bfloat16, with the micro-kernel of `_accumulators_in_registers`, an 8-node pass took 25.9 ms with the
+            templates alone against 30.2 autotuned against oneDNN's products.
     """
 
     def __init__(self, target: Target, every_layer: bool = False, buckets: tuple[int, ...] = BUCKETS,
@@ -91,8 +91,7 @@ class CompiledPass:
         if target.device.type == "cuda":  # replayed as a CUDA graph: one launch per pass
             self.settings["triton.cudagraphs"] = True
         else:
-            tuned = target.dtype != torch.float32
-            self.settings |= {"max_autotune": templates, "max_autotune_gemm_backends": "CPP,ATEN" if tuned else "CPP",
+            self.settings |= {"max_autotune": templates, "max_autotune_gemm_backends": "CPP",
                               "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False,
                               "fx_graph_cache": False}
             # (no table nor line per product on stderr; no graph compiled before `_accumulators_in_registers`)
@@ -316,7 +315,7 @@ _MICRO_KERNEL = r"""
     {%- if input2_dtype == torch.float %}
             vb[c] = Vectorized::loadu(B + k * ldb + c * VLEN);
     {%- else %}
-            vb[c] = at::vec::convert<float>(VectorizedIn::loadu(B + k * ldb + c * VLEN, VLEN));
+            at::vec::load_to_float(B + k * ldb + c * VLEN, vb[c]);
     {%- endif %}
         }
         #pragma GCC unroll 16
