@@ -31,6 +31,27 @@ def narrow_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (weight @ x.T).T  # (out, R) -> (R, out)
 
 
+def int8_drafts(device: torch.device) -> bool:
+    """Whether a drafter decoding on `device` multiplies by its vocabulary projection's rows as int8
+    (`quantized_rows`): on a CPU, where a level of a tree streams them from memory for one row or a few."""
+    return device.type == "cpu"
+
+
+def quantized_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W (out, in) as int8 rows, each with its own scale (its largest magnitude over 127), for `quantized_product`."""
+    weight = weight.detach().float()
+    scales = weight.abs().amax(1).clamp_min(torch.finfo(torch.float32).tiny) / 127  # (out,)
+    return torch.round(weight / scales[:, None]).to(torch.int8), scales.to(torch.bfloat16)
+
+
+def quantized_product(x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x W^T from W's `quantized_rows`, x taken in bfloat16, in x's dtype: x (..., in) -> (..., out). A quarter of
+    float32 W's bytes, for a product that streams W from memory to multiply one row or a few: a drafter's
+    vocabulary projection, whose guesses need not be exact (the base model verifies them)."""
+    flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+    return torch._weight_int8pack_mm(flat, *rows).to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
 def product(x: torch.Tensor, weight: torch.Tensor, narrow: frozenset[int] | set[int],
             bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """x W^T (+ bias) for x (..., in), taken as W x^T (`narrow_product`) when x's row count is in `narrow` and no

@@ -37,6 +37,12 @@ def test_new_heads_predict_what_the_base_lm_head_predicts(tiny, config, lm_head,
         assert torch.allclose(logits[k], lm_head_module(hidden), atol=1e-5)
 
 
+@pytest.fixture
+def float_drafts(monkeypatch):
+    """Decoding here drafts from float rows, as off a CPU (`mtp.linears.int8_drafts`)."""
+    monkeypatch.setattr(heads_module, "int8_drafts", lambda device: False)
+
+
 def random_heads(tiny, config, lm_head, kind=MedusaHeads):
     """(model, heads with random weights: heads that differ from each other and from the base lm_head)."""
     model, _ = tiny
@@ -73,10 +79,10 @@ def test_guesses_from_a_draft_vocabulary_are_its_best_tokens_by_the_full_logits(
 @pytest.mark.parametrize("lm_head", ["shared", "own"])
 @pytest.mark.parametrize("narrow", [False, True])
 def test_draft_logits_are_the_same_whichever_product_this_machine_measured_faster(tiny, config, lm_head, narrow,
-                                                                                   monkeypatch):  # fmt: skip
-    """Decoding multiplies a step's few rows by the draft vocabulary's rows as W x^T where that was measured faster
-    (`mtp.linears.narrow_rows`, here forced either way): the same logits as x W^T, for one row, a few rows, and all
-    heads at once over a shared lm_head."""
+                                                                                   monkeypatch, float_drafts):
+    """Decoding from float rows multiplies a step's few rows by the draft vocabulary's rows as W x^T where that was
+    measured faster (`mtp.linears.narrow_rows`, here forced either way): the same logits as x W^T, for one row, a few
+    rows, and all heads at once over a shared lm_head."""
     chosen = list(range(1, ROWS + 1)) if narrow else []
     monkeypatch.setattr(heads_module, "narrow_rows", lambda weights: {"x".join(map(str, w.shape)): chosen
                                                                       for w in weights})  # fmt: skip
@@ -99,8 +105,32 @@ def test_draft_logits_are_the_same_whichever_product_this_machine_measured_faste
 
 
 @pytest.mark.parametrize("lm_head", ["shared", "own"])
+def test_drafting_on_a_cpu_takes_int8_rows_within_their_rounding_of_the_float_logits(tiny, config, lm_head):
+    """Decoding on a CPU, the draft vocabulary's logits come from its rows as int8 (`mtp.linears.quantized_rows`,
+    the step's rows in bfloat16): each within the bound of that rounding from the float logits, their typical error
+    small beside the logits' spread, and the best guess the float one wherever the float logits' best two lie
+    further apart than twice the bound."""
+    model, heads = random_heads(tiny, config, lm_head)
+    lm_head_module = model.get_output_embeddings()
+    heads.config.draft_vocab = draft = torch.randperm(config.vocab_size)[:40].tolist()
+    states = torch.randn(3, 50, config.hidden_size)  # (K, rows, H)
+    with torch.no_grad():
+        for k in range(3):  # one head's states, as a decoding step projects them
+            weight = (lm_head_module if lm_head == "shared" else heads.projections[k]).weight[draft]  # (N, H)
+            exact, x = states[k] @ weight.T, states[k]  # (rows, N)
+            int8 = heads.project(states[k : k + 1], lm_head_module, k)[0]
+            scales = weight.abs().amax(1) / 127  # (N,) half a scale: an int8 weight's rounding
+            bound = x.abs() @ (weight.abs() / 128 + scales[:, None] / 2).T + exact.abs() / 64  # (rows, N)
+            assert heads._quantized is not None and ((int8 - exact).abs() <= bound).all()
+            assert (int8 - exact).pow(2).mean().sqrt() < 0.02 * exact.std()  # about 0.6% here
+            best, apart = exact.topk(2).values.T
+            clear = best - apart > 2 * bound.amax(1)
+            assert clear.sum() >= 10 and torch.equal(int8.argmax(1)[clear], exact.argmax(1)[clear])
+
+
+@pytest.mark.parametrize("lm_head", ["shared", "own"])
 def test_training_logits_over_a_draft_vocabulary_are_the_full_logits_draft_columns_and_carry_gradients(
-    tiny, config, lm_head
+    tiny, config, lm_head, float_drafts
 ):
     model, heads = random_heads(tiny, config, lm_head)
     hidden, lm_head_module = torch.randn(2, 5, config.hidden_size), model.get_output_embeddings()
@@ -124,7 +154,7 @@ def test_training_logits_over_a_draft_vocabulary_are_the_full_logits_draft_colum
 
 @pytest.mark.parametrize("draft", [False, True])
 @pytest.mark.parametrize("lm_head", ["shared", "own"])
-def test_hydra_heads_fill_each_node_with_the_guess_for_its_own_path(tiny, config, lm_head, draft):
+def test_hydra_heads_fill_each_node_with_the_guess_for_its_own_path(tiny, config, lm_head, draft, float_drafts):
     """Level by level, batched over the parents of each depth, equals computing every node alone: node
     (r1, .., rd) holds rank rd of head d-1 reading the tokens of its parent's path (root first)."""
     model, heads = random_heads(tiny, config, lm_head, HydraHeads)

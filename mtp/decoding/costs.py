@@ -25,11 +25,12 @@ BATCH_MAX_NODES = 16  # the largest tree timed for a step over several rows (a b
 ROUNDS = 4  # every size is timed once a round, in turn, forward then backward: the median of its steps is then
 # taken at the same moment for all sizes when the host's speed drifts steadily
 CONTEXT = 256  # prompt tokens before the timed steps
-STEPS = 5  # the version of a step's code and its timing, in the costs' key: raised when a change makes steps cheaper
+STEPS = 6  # the version of a step's code and its timing, in the costs' key: raised when a change makes steps cheaper
 # or dearer, or times them otherwise, so that costs measured before it are measured again (2: the heads' draft
 # products as measured faster, 5.6 -> 2.8 ms a 4-node tree step in float32 on the Zen 4 EPYC; 3: sizes timed in
 # turn, ROUNDS; 4: the CPU's products as C++ GEMM templates alone in float32, an 8-node pass 45.5 -> 34.6 ms; 5: their
-# micro-kernel's accumulators kept in registers, an 8-node pass 33.0 -> 21.7 ms)
+# micro-kernel's accumulators kept in registers, an 8-node pass 33.0 -> 21.7 ms; 6: drafting from int8 rows on a CPU,
+# a 4-node tree's drafting 3.6 -> 2.4 ms a step on the AVX2 EPYC, and timed sizes out of order pooled, `monotone`)
 
 
 def timed_sizes(paths: list[Path], batch: int) -> list[int]:
@@ -84,9 +85,9 @@ def measure_steps(model, tokenizer, heads: Drafts, paths: list[Path], context: i
 
 def step_costs(timed: list[float], max_nodes: int) -> list[float]:
     """Seconds per step for every size 1..max_nodes: linear between the timed sizes (SIZES[: len(timed)]), and
-    past the last one along the last two's line; never decreasing (a bigger tree never costs less; a dip is timing
-    noise)."""
-    sizes = SIZES[: len(timed)]
+    past the last one along the last two's line; never decreasing (a bigger tree never costs less): timed sizes out
+    of order are timing noise, and take their mean (`monotone`), not the larger of them."""
+    sizes, timed = SIZES[: len(timed)], monotone(timed)
     costs = []
     for n in range(1, max_nodes + 1):
         i = max(j for j, s in enumerate(sizes) if s <= n)
@@ -96,8 +97,19 @@ def step_costs(timed: list[float], max_nodes: int) -> list[float]:
         else:
             frac = (n - sizes[j]) / (sizes[j + 1] - sizes[j])
             costs.append(timed[j] + frac * (timed[j + 1] - timed[j]))
-        costs[-1] = max(costs[-1], costs[-2] if len(costs) > 1 else 0.0)
     return costs
+
+
+def monotone(values: list[float]) -> list[float]:
+    """The non-decreasing sequence nearest to `values` in squares: each run out of order pooled into its mean (two
+    sizes of one compiled bucket, timed 36.7 and 30.0 ms on the AVX2 EPYC, both cost 33.4, not 36.7)."""
+    runs = []  # [mean, count] of each pooled run
+    for value in values:
+        runs.append([value, 1])
+        while len(runs) > 1 and runs[-2][0] > runs[-1][0]:
+            (first, n), (second, m) = runs.pop(-2), runs.pop()
+            runs.append([(first * n + second * m) / (n + m), n + m])
+    return [mean for mean, count in runs for _ in range(count)]
 
 
 def machine_key(model, heads: Drafts, compiled: CompiledPass | None = None, context: int = CONTEXT) -> str:

@@ -28,6 +28,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 from mtp.decoding.target import Target
 from mtp.drafters.contract import Drafter, DrafterConfig
 from mtp.drafters.eagle_proposer import EagleProposer
+from mtp.linears import int8_drafts, quantized_product, quantized_rows
 
 # the base's rotary settings the drafter's layer takes: its type, theta and scaling (not a partial rotary factor:
 # the drafter rotates whole heads)
@@ -245,10 +246,17 @@ class Eagle(Drafter, kind="eagle"):
         return self.project(self.norm(features), base_lm_head)
 
     def project(self, normed: torch.Tensor, base_lm_head: nn.Module) -> torch.Tensor:
-        """Draft-vocabulary logits (..., D) of normed output features (..., H)."""
+        """Draft-vocabulary logits (..., D) of normed output features (..., H); drafting on a CPU, from the rows as
+        int8 (`mtp.linears.quantized_rows`, kept per weight), as the heads draft."""
+        weight = self.lm_head.weight if self.lm_head is not None else self._rows(base_lm_head)
+        if int8_drafts(weight.device) and not torch.is_grad_enabled():
+            key = (weight.data_ptr(), weight._version, weight.dtype)
+            if getattr(self, "_quantized_key", None) != key:
+                self._quantized_key, self._quantized = key, quantized_rows(weight)
+            return quantized_product(normed, self._quantized)
         if self.lm_head is not None:
             return self.lm_head(normed)
-        return normed @ self._rows(base_lm_head).T
+        return normed @ weight.T
 
     def _rows(self, base_lm_head: nn.Module) -> torch.Tensor:
         """The base lm_head's rows of the draft vocabulary (D, H), gathered once per weight."""
