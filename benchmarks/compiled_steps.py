@@ -74,8 +74,11 @@ def main() -> None:
             target.logits(target.run(False, input_ids=tokens, position_ids=positions, attention_mask=mask,
                                      cache=cache).last)  # fmt: skip
 
+    compiled.load(prefill)  # once: a pass writes its nodes after the prompt's slots, and the next one overwrites them
+
     def compiled_pass(nodes: int) -> None:
-        compiled.load(prefill)
+        for layer in compiled.cache.layers:  # each pass after the prompt alone, as a step after the cache's compaction
+            layer.cumulative_length.fill_(args.context)
         compiled.run(*inputs(nodes), slots)
 
     calls = [partial(run, nodes) for nodes in args.nodes for run in (eager, compiled_pass)]
