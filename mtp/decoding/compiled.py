@@ -55,7 +55,8 @@ BUCKETS = (1, 4, 8)  # node counts compiled, a tree padded up to the next (each 
 # compiled ran no faster than eagerly on the Zen 4 EPYC: docs/reference-runs.md#compiled-passes)
 LENGTH = 1024  # cache slots: prompt, answer and one pass's nodes must fit
 INDUCTOR_DIR = "TORCHINDUCTOR_CACHE_DIR"
-PACKAGES = 3  # the version of a packaged pass's code, in its key: raised when a change alters what a package computes
+PACKAGES = 4  # the version of a packaged pass's code, in its key: raised when a change alters what a package computes
+# or how fast (4: the micro-kernel's prefetch)
 
 
 class CompiledPass:
@@ -291,7 +292,8 @@ def _templates_parsed_once() -> None:
 
 
 # inductor's C++ micro-kernel for products accumulated in float (`CppMicroGemmFP32Vec`), its common case (B not
-# transposed, no tail along N): the accumulators, B's vectors and A's broadcast element as plain loops over arrays
+# transposed, no tail along N): the accumulators, B's vectors and A's broadcast element as plain loops over arrays,
+# and B's row 48 steps ahead fetched into the cache
 _MICRO_KERNEL = r"""
 {%- if not trans_b and not tail_n and compute_t == "float"
       and input2_dtype in [torch.float, torch.bfloat16, torch.half] %}
@@ -308,6 +310,12 @@ _MICRO_KERNEL = r"""
         }
     }
     for (int64_t k = 0; k < K; ++k) {
+    #if defined(__GNUC__)
+        #pragma GCC unroll 8
+        for (int i = 0; i < BLOCK_N; i += 64 / sizeof(*B)) {  // every cache line of B's row 48 steps ahead
+            __builtin_prefetch(B + (k + 48) * ldb + i, 0, 3);
+        }
+    #endif
         Vectorized vb[COLS];
         #pragma GCC unroll 16
         for (int c = 0; c < COLS; c++) {
@@ -340,7 +348,10 @@ def _accumulators_in_registers() -> None:
     every accumulator to the stack at each step along K, 24 stores for the 24 multiply-adds of an 8-row block: that held
     the C++ templates to about 70 GFLOP/s on the 2-core Zen 4 EPYC, where MKL computes 180, and an 8-node pass of
     SmolLM2 to 1.7 one-node passes. As loops GCC keeps the accumulators in registers: SmolLM2's products over 8 rows
-    took 16-18 ms against 31-32 (docs/reference-runs.md). Left as it is where this torch's template differs."""
+    took 16-18 ms against 31-32 (docs/reference-runs.md). Each step also fetches B's row 48 steps ahead: a block of
+    4 rows computes 4 multiply-adds per weight it streams from memory, and without the prefetch the pass over 4 nodes
+    cost 1.3-1.5 one-node passes on the AVX2 EPYC, with it 1.02-1.07. Left as it is where this torch's template
+    differs."""
     import torch._inductor.lowering  # noqa: F401  (imports inductor's kernels in the order they import each other)
     from torch._inductor.codegen.cpp_micro_gemm import CppMicroGemmFP32Vec as Kernel
 

@@ -30,7 +30,8 @@ STEPS = 6  # the version of a step's code and its timing, in the costs' key: rai
 # products as measured faster, 5.6 -> 2.8 ms a 4-node tree step in float32 on the Zen 4 EPYC; 3: sizes timed in
 # turn, ROUNDS; 4: the CPU's products as C++ GEMM templates alone in float32, an 8-node pass 45.5 -> 34.6 ms; 5: their
 # micro-kernel's accumulators kept in registers, an 8-node pass 33.0 -> 21.7 ms; 6: drafting from int8 rows on a CPU,
-# a 4-node tree's drafting 3.6 -> 2.4 ms a step on the AVX2 EPYC, and timed sizes out of order pooled, `monotone`)
+# a 4-node tree's drafting 3.6 -> 2.4 ms a step on the AVX2 EPYC, the micro-kernel's prefetch (`compiled.PACKAGES`
+# 4), and timed sizes out of order pooled, `monotone`)
 
 
 def timed_sizes(paths: list[Path], batch: int) -> list[int]:
