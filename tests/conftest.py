@@ -41,6 +41,16 @@ class Killed(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+@pytest.fixture
+def float_drafts(monkeypatch):
+    """Drafters decode here from float rows, as off a CPU (`mtp.linears.int8_drafts`): for tests that compare their
+    logits with float references."""
+    from mtp.drafters import eagle, heads
+
+    for module in (heads, eagle):
+        monkeypatch.setattr(module, "int8_drafts", lambda device: False)
+
+
 @pytest.fixture(scope="session")
 def tiny():
     """(model, tokenizer) of the randomly initialised tiny Llama."""

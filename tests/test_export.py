@@ -14,7 +14,6 @@ import mtp
 import mtp.tools.export
 from mtp.base import load_tokenizer
 from mtp.decoding.decoder import Decoder
-from mtp.drafters import eagle as eagle_module
 from mtp.drafters.contract import Drafter, DrafterConfig
 from mtp.drafters.eagle import Eagle
 from tests.conftest import PROMPT, TINY_BASE, TREE, random_heads, reference, save_random_heads, tiny_model
@@ -232,8 +231,7 @@ def eagle_drafter(model, lm_head: str, draft: bool, feature_layers=(1, 2, 3)):
 @pytest.mark.parametrize("speculators", [False, True], ids=["eagle3", "speculators"])
 @pytest.mark.parametrize("lm_head, draft", [("shared", True), ("own", False)], ids=["shared-draft", "own-full"])
 def test_an_eagle3_export_is_what_the_engines_load_and_drafts_what_ours_does(tmp_path, speculators, lm_head, draft,
-                                                                           monkeypatch):  # fmt: skip
-    monkeypatch.setattr(eagle_module, "int8_drafts", lambda device: False)  # ours from float rows, as the engines'
+                                                                           float_drafts):  # fmt: skip
     model = tiny_model(num_hidden_layers=4)
     drafter = eagle_drafter(model, lm_head, draft)
     out = mtp.tools.export.to_eagle3(drafter, model, tmp_path / "out", speculators=speculators)

@@ -37,12 +37,6 @@ def test_new_heads_predict_what_the_base_lm_head_predicts(tiny, config, lm_head,
         assert torch.allclose(logits[k], lm_head_module(hidden), atol=1e-5)
 
 
-@pytest.fixture
-def float_drafts(monkeypatch):
-    """Decoding here drafts from float rows, as off a CPU (`mtp.linears.int8_drafts`)."""
-    monkeypatch.setattr(heads_module, "int8_drafts", lambda device: False)
-
-
 def random_heads(tiny, config, lm_head, kind=MedusaHeads):
     """(model, heads with random weights: heads that differ from each other and from the base lm_head)."""
     model, _ = tiny

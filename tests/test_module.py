@@ -12,7 +12,6 @@ from safetensors.torch import load_file
 from torch.nn import functional as F
 
 from mtp.base import load_tokenizer
-from mtp.drafters import heads as heads_module
 from mtp.drafters.heads import MedusaHeads
 from mtp.training.data import DrafterDataModule, collate, encode
 from mtp.training.module import DrafterModule
@@ -266,8 +265,9 @@ def test_hydra_heads_read_the_true_tokens_after_t_and_the_teacher_is_the_base_mo
 
 @torch.no_grad()
 @pytest.mark.parametrize("lm_head", ["shared", "own"])
-def test_with_a_draft_vocabulary_the_loss_ranks_its_tokens_only_and_a_target_outside_it_is_a_miss(lm_head, monkeypatch):
-    monkeypatch.setattr(heads_module, "int8_drafts", lambda device: False)  # the float rows, as the hand count's
+def test_with_a_draft_vocabulary_the_loss_ranks_its_tokens_only_and_a_target_outside_it_is_a_miss(
+    lm_head, float_drafts
+):
     module = DrafterModule(TINY_BASE, drafter=Drafting(num_heads=2, lm_head=lm_head))
     torch.manual_seed(0)
     for parameter in module.drafter.parameters():
