@@ -13,6 +13,7 @@ keeps the usual path. The choice is cached per machine and set of weight shapes 
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 from torch.nn import functional as F
@@ -31,10 +32,25 @@ def narrow_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (weight @ x.T).T  # (out, R) -> (R, out)
 
 
+_DRAFTING = ContextVar("drafting", default=False)
+
+
+@contextmanager
+def drafting() -> Iterator[None]:
+    """Inside this block drafters propose candidates for decoding (`int8_drafts`); outside it, as in training and
+    validation, they project from their float rows."""
+    token = _DRAFTING.set(True)
+    try:
+        yield
+    finally:
+        _DRAFTING.reset(token)
+
+
 def int8_drafts(device: torch.device) -> bool:
-    """Whether a drafter decoding on `device` multiplies by its vocabulary projection's rows as int8
-    (`quantized_rows`): on a CPU, where a level of a tree streams them from memory for one row or a few."""
-    return device.type == "cpu"
+    """Whether a drafter multiplies by its vocabulary projection's rows as int8 (`quantized_rows`): when it drafts for
+    decoding (`drafting`) on a CPU, where a level of a tree streams them from memory for one row or a few. The
+    accuracies that validation measures, and saves with the heads, are those of the float rows."""
+    return device.type == "cpu" and _DRAFTING.get()
 
 
 def quantized_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ from mtp.decoding.tree import Tree
 from mtp.drafters import heads as heads_module
 from mtp.drafters.contract import Drafter, DrafterConfig, base_identity
 from mtp.drafters.heads import HydraHeads, MedusaHeads
-from mtp.linears import ROWS, narrow_product, usual_linears
+from mtp.linears import ROWS, drafting, narrow_product, usual_linears
 from tests.conftest import TINY_BASE, head_logits
 
 
@@ -73,10 +73,10 @@ def test_guesses_from_a_draft_vocabulary_are_its_best_tokens_by_the_full_logits(
 @pytest.mark.parametrize("lm_head", ["shared", "own"])
 @pytest.mark.parametrize("narrow", [False, True])
 def test_draft_logits_are_the_same_whichever_product_this_machine_measured_faster(tiny, config, lm_head, narrow,
-                                                                                   monkeypatch, float_drafts):
-    """Decoding from float rows multiplies a step's few rows by the draft vocabulary's rows as W x^T where that was
-    measured faster (`mtp.linears.narrow_rows`, here forced either way): the same logits as x W^T, for one row, a few
-    rows, and all heads at once over a shared lm_head."""
+                                                                                   monkeypatch):  # fmt: skip
+    """Projecting from float rows (validation; decoding off a CPU) multiplies a step's few rows by the draft
+    vocabulary's rows as W x^T where that was measured faster (`mtp.linears.narrow_rows`, here forced either way):
+    the same logits as x W^T, for one row, a few rows, and all heads at once over a shared lm_head."""
     chosen = list(range(1, ROWS + 1)) if narrow else []
     monkeypatch.setattr(heads_module, "narrow_rows", lambda weights: {"x".join(map(str, w.shape)): chosen
                                                                       for w in weights})  # fmt: skip
@@ -100,10 +100,10 @@ def test_draft_logits_are_the_same_whichever_product_this_machine_measured_faste
 
 @pytest.mark.parametrize("lm_head", ["shared", "own"])
 def test_drafting_on_a_cpu_takes_int8_rows_within_their_rounding_of_the_float_logits(tiny, config, lm_head):
-    """Decoding on a CPU, the draft vocabulary's logits come from its rows as int8 (`mtp.linears.quantized_rows`,
-    the step's rows in bfloat16): each within the bound of that rounding from the float logits, their typical error
-    small beside the logits' spread, and the best guess the float one wherever the float logits' best two lie
-    further apart than twice the bound."""
+    """Drafting for decoding on a CPU (`mtp.linears.drafting`), the draft vocabulary's logits come from its rows as
+    int8 (`mtp.linears.quantized_rows`, the step's rows in bfloat16): each within the bound of that rounding from the
+    float logits, their typical error small beside the logits' spread, and the best guess the float one wherever the
+    float logits' best two lie further apart than twice the bound. Outside it (validation), the float logits."""
     model, heads = random_heads(tiny, config, lm_head)
     lm_head_module = model.get_output_embeddings()
     heads.config.draft_vocab = draft = torch.randperm(config.vocab_size)[:40].tolist()
@@ -112,7 +112,9 @@ def test_drafting_on_a_cpu_takes_int8_rows_within_their_rounding_of_the_float_lo
         for k in range(3):  # one head's states, as a decoding step projects them
             weight = (lm_head_module if lm_head == "shared" else heads.projections[k]).weight[draft]  # (N, H)
             exact, x = states[k] @ weight.T, states[k]  # (rows, N)
-            int8 = heads.project(states[k : k + 1], lm_head_module, k)[0]
+            torch.testing.assert_close(heads.project(states[k : k + 1], lm_head_module, k)[0], exact)
+            with drafting():
+                int8 = heads.project(states[k : k + 1], lm_head_module, k)[0]
             scales = weight.abs().amax(1) / 127  # (N,) half a scale: an int8 weight's rounding
             bound = x.abs() @ (weight.abs() / 128 + scales[:, None] / 2).T + exact.abs() / 64  # (rows, N)
             assert heads._quantized is not None and ((int8 - exact).abs() <= bound).all()
@@ -124,7 +126,7 @@ def test_drafting_on_a_cpu_takes_int8_rows_within_their_rounding_of_the_float_lo
 
 @pytest.mark.parametrize("lm_head", ["shared", "own"])
 def test_training_logits_over_a_draft_vocabulary_are_the_full_logits_draft_columns_and_carry_gradients(
-    tiny, config, lm_head, float_drafts
+    tiny, config, lm_head
 ):
     model, heads = random_heads(tiny, config, lm_head)
     hidden, lm_head_module = torch.randn(2, 5, config.hidden_size), model.get_output_embeddings()
@@ -135,7 +137,7 @@ def test_training_logits_over_a_draft_vocabulary_are_the_full_logits_draft_colum
         states = heads.teacher_forced(hidden, None, input_ids, keep, model.get_input_embeddings())  # (3, 10, H)
         return heads.project(states, lm_head_module)
 
-    with torch.no_grad():  # decoding: the rows are gathered once and kept
+    with torch.no_grad():  # validation: the rows are gathered once and kept
         for size in (40, 60):  # a second list on the same heads: the cached rows of the first must not serve it
             heads.config.draft_vocab = torch.randperm(config.vocab_size)[:size].tolist()
             torch.testing.assert_close(draft(), full[..., heads.config.draft_vocab])

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from mtp.decoding.pacing import Plan
 from mtp.decoding.target import States, Target
 from mtp.decoding.tree import DynamicTree, Tree
+from mtp.linears import drafting
 
 
 class Proposer:
@@ -99,10 +100,11 @@ class TreeProposer(Proposer):
 
     def propose(self, plan, trees, tokens, rooms, source):
         roots = torch.stack([row[:1] for row in tokens])  # (B, 1)
-        if isinstance(plan.tree, DynamicTree):
-            return self.grow(plan.tree, roots, min(plan.tree.deepest, min(rooms)))
-        tree = self.tree(plan.tree, min(rooms))
-        filled = self.tokens(tree, roots) if tree.size > 1 else roots  # (B, N+1)
+        with drafting():  # (on a CPU from int8 rows: `mtp.linears.int8_drafts`)
+            if isinstance(plan.tree, DynamicTree):
+                return self.grow(plan.tree, roots, min(plan.tree.deepest, min(rooms)))
+            tree = self.tree(plan.tree, min(rooms))
+            filled = self.tokens(tree, roots) if tree.size > 1 else roots  # (B, N+1)
         return [tree] * len(tokens), list(filled)
 
     def tokens(self, tree: Tree, roots: torch.Tensor) -> torch.Tensor:

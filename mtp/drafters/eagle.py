@@ -246,8 +246,9 @@ class Eagle(Drafter, kind="eagle"):
         return self.project(self.norm(features), base_lm_head)
 
     def project(self, normed: torch.Tensor, base_lm_head: nn.Module) -> torch.Tensor:
-        """Draft-vocabulary logits (..., D) of normed output features (..., H); drafting on a CPU, from the rows as
-        int8 (`mtp.linears.quantized_rows`, kept per weight), as the heads draft."""
+        """Draft-vocabulary logits (..., D) of normed output features (..., H); drafting for decoding on a CPU
+        (`mtp.linears.int8_drafts`), from the rows as int8 (`mtp.linears.quantized_rows`, kept per weight), as the
+        heads draft."""
         weight = self.lm_head.weight if self.lm_head is not None else self._rows(base_lm_head)
         if int8_drafts(weight.device) and not torch.is_grad_enabled():
             key = (weight.data_ptr(), weight._version, weight.dtype)

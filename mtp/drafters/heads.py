@@ -115,7 +115,9 @@ class Heads(Drafter):
         _, weights = self._draft_rows(base_lm_head)  # (K or 1, N, H)
         flat = states.flatten(1, -2) if states.dim() > 2 else states[:, None]  # (K, M, H)
         rows = weights if self.projections is None else weights[first : first + len(states)]  # shared: broadcast
-        if len(rows) == 1 and self._quantized is not None and not torch.is_grad_enabled():
+        if len(rows) == 1 and int8_drafts(flat.device) and not torch.is_grad_enabled():
+            if self._quantized is None:  # the rows as int8, once per gather
+                self._quantized = [quantized_rows(each) for each in weights]
             logits = quantized_product(flat, self._quantized[0 if self.projections is None else first])
         elif len(rows) == 1:  # one weight: the product measured faster here, as a linear layer's (bfloat16 `bmm`
             logits = product(flat, rows[0], self._narrow)  # ran 4x slower a row)
@@ -143,10 +145,10 @@ class Heads(Drafter):
     def _draft_rows(self, base_lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft vocabulary's ids (N,) and its rows of the projections (K or 1, N, H), gathered once per
         draft vocabulary and projection weights (the gather copies N x H floats: too much to repeat every step); with
-        them, drafting without gradients on a CPU, the rows as int8 (`self._quantized`, `mtp.linears.quantized_rows`:
-        a quarter of the bytes that a level of the tree streams), elsewhere the row counts for which the product with
-        these rows runs faster as W x^T here (`self._narrow`, `mtp.linears.narrow_rows`: 3x faster for one row and
-        8,192 rows of SmolLM2's lm_head on the Zen 4 EPYC)."""
+        them, the row counts for which the product with these rows runs faster as W x^T here (`self._narrow`,
+        `mtp.linears.narrow_rows`: 3x faster for one row and 8,192 rows of SmolLM2's lm_head on the Zen 4 EPYC).
+        Drafting for decoding on a CPU quantizes them to int8 on first use (`self._quantized`,
+        `mtp.linears.int8_drafts`: a quarter of the bytes that a level of the tree streams)."""
         sources = [base_lm_head.weight] if self.projections is None else [p.weight for p in self.projections]
         # the draft list itself is in the key (compared by identity first, then by value): a new list is new rows
         key = [self.config.draft_vocab, *((w.data_ptr(), w._version, w.device, w.dtype) for w in sources)]
@@ -155,10 +157,8 @@ class Heads(Drafter):
         if trainable or getattr(self, "_draft_key", None) != key:
             ids = torch.tensor(self.config.draft_vocab, device=sources[0].device)  # (N,)
             self._draft_key, self._draft = None if trainable else key, (ids, torch.stack([w[ids] for w in sources]))
-            int8 = not trainable and int8_drafts(sources[0].device)
-            self._quantized = [quantized_rows(rows) for rows in self._draft[1]] if int8 else None
-            measure = not trainable and not int8
-            self._narrow = set(next(iter(narrow_rows(list(self._draft[1])).values()))) if measure else set()
+            self._quantized = None
+            self._narrow = set(next(iter(narrow_rows(list(self._draft[1])).values()))) if not trainable else set()
         return self._draft
 
     @staticmethod

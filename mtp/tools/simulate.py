@@ -11,6 +11,7 @@ from mtp.decoding.pacing import Candidate, Plan
 from mtp.decoding.target import States, Target
 from mtp.decoding.tree import DynamicTree, Path
 from mtp.drafters.contract import Drafter
+from mtp.linears import drafting
 
 LOOKUP_LENGTHS = tuple(range(FULL + 1))  # prompt-lookup tokens after a match that sizing chooses from
 
@@ -43,9 +44,10 @@ def held_out_roots(model, heads: Drafter, paths: list[Path], examples: list, loo
         layers = heads.config.feature_layers
         out = backbone(input_ids=ids[None].to(model.device), output_hidden_states=bool(layers))
         features = torch.cat([out.hidden_states[i][0] for i in layers], -1) if layers else None  # (T, F)
-        guesses = heads.path_guesses(
-            out.last_hidden_state[0], features, ids.to(model.device), model.get_output_embeddings(), embed, top_k
-        ).cpu()  # (K, T, k) fmt: skip
+        with drafting():  # the guesses as decoding drafts them
+            guesses = heads.path_guesses(
+                out.last_hidden_state[0], features, ids.to(model.device), model.get_output_embeddings(), embed, top_k
+            ).cpu()  # (K, T, k) fmt: skip
         for p in roots:
             path, order = (), []
             for d in range(min(num_heads, left[p])):  # head d guesses the token d + 1 after the root
