@@ -5,7 +5,9 @@ that does not compile). Compiled with ATen's products (templates=False, which co
 which changes kernels, not what they compute."""
 
 import json
+import types
 from itertools import zip_longest
+from unittest import mock
 
 import pytest
 import torch
@@ -75,15 +77,16 @@ def test_compiled_logits_equal_the_eager_passes_in_every_bucket(model, compiled,
     assert int(compiled.cache.get_seq_length()) == prompt.shape[1] + (compiled.bucket(tree.size) or tree.size)
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_the_cpp_gemm_templates_a_cpu_compiles_by_default_give_the_eager_logits(attention, tokenizer, monkeypatch,
-                                                                                 tmp_path):  # fmt: skip
+@pytest.mark.parametrize("attention, bucket", [("sdpa", 4), ("eager", 8)])
+def test_the_cpp_gemm_templates_a_cpu_compiles_by_default_give_the_eager_logits(attention, bucket, tokenizer,
+                                                                                 monkeypatch, tmp_path):  # fmt: skip
     """The pass as mtp compiles it on a CPU by default (in float32 each product inductor's C++ GEMM template, its
-    weight packed into the template's blocks), 3 nodes padded to 4: every node's logits those of the eager pass.
-    Attention written as products of activations (eager), which no template computes, compiles too."""
+    weight packed into the template's blocks), 3 nodes padded to 4 or to 8 (on AVX2, 8 rows at once): every node's
+    logits those of the eager pass. Attention written as products of activations (eager), which no template
+    computes, compiles too."""
     monkeypatch.setenv("MTP_CACHE", str(tmp_path))  # compiled here (a package's key holds no attention's kind)
     model = tiny_model(seed=2, attn_implementation=attention)
-    compiled = CompiledPass(Target(model), buckets=(4,), length=64)
+    compiled = CompiledPass(Target(model), buckets=(bucket,), length=64)
     prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
     tokens, positions = torch.tensor([[5, 9, 7]]), prompt.shape[1] + torch.tensor([[0, 1, 1]])
     tree_mask = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool)
@@ -105,6 +108,25 @@ def test_the_templates_float_micro_kernel_is_mtps_on_the_torch_it_installs():
 
     compiled_module._accumulators_in_registers()
     assert compiled_module._MICRO_KERNEL in CppMicroGemmFP32Vec.TEMPLATE_KERNEL
+
+
+def test_on_avx2_a_float_product_of_8_rows_takes_the_micro_kernel_of_8_rows():
+    """On AVX2, 8 rows (or 16) multiply as one block of 8 rows by 8 columns, read each weight once for all of them;
+    1 or 4 rows keep inductor's preferred 4 rows by 24 columns (its choice made for a graph's product, here outside
+    one)."""
+    compiled_module._eight_rows_at_once()  # (imports inductor's kernels in the order they import each other)
+    compiled_module._eight_rows_at_once()  # once is enough: a second call changes nothing
+    from torch._inductor.codegen import cpp_micro_gemm
+    from torch._inductor.cpu_vec_isa import VecAVX2
+    from torch._inductor.sizevars import SizeVarAllocator
+    from torch._inductor.virtualized import V
+
+    graph = types.SimpleNamespace(sizevars=SizeVarAllocator())
+    with mock.patch.object(cpp_micro_gemm, "pick_vec_isa", VecAVX2), V.set_graph_handler(graph):
+        blocks = {rows: tuple(cpp_micro_gemm.create_micro_gemm("product", rows, 576, 576, torch.float, torch.float,
+                                                               num_threads=2).register_blocking)
+                  for rows in (1, 4, 8, 16)}  # fmt: skip
+    assert blocks == {1: (4, 24, 1), 4: (4, 24, 1), 8: (8, 8, 1), 16: (8, 8, 1)}
 
 
 def test_the_static_cache_after_acceptance_equals_a_causal_run(model, compiled, tokenizer):

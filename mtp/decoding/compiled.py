@@ -28,6 +28,7 @@ through `torch.compile` (`benchmarks/compiled_steps.py`). The linears stay matri
 (`_unpacked_linears`) and the CPU's vector instructions are checked once per machine (`_vector_isa`).
 """
 
+import dataclasses
 import hashlib
 import os
 import sys
@@ -55,8 +56,8 @@ BUCKETS = (1, 4, 8)  # node counts compiled, a tree padded up to the next (each 
 # compiled ran no faster than eagerly on the Zen 4 EPYC: docs/reference-runs.md#compiled-passes)
 LENGTH = 1024  # cache slots: prompt, answer and one pass's nodes must fit
 INDUCTOR_DIR = "TORCHINDUCTOR_CACHE_DIR"
-PACKAGES = 4  # the version of a packaged pass's code, in its key: raised when a change alters what a package computes
-# or how fast (4: the micro-kernel's prefetch)
+PACKAGES = 5  # the version of a packaged pass's code, in its key: raised when a change alters what a package computes
+# or how fast (4: the micro-kernel's prefetch; 5: 8 rows at once on AVX2, `_eight_rows_at_once`)
 
 
 class CompiledPass:
@@ -101,6 +102,7 @@ class CompiledPass:
             _unpacked_linears()
             _templates_parsed_once()
             _accumulators_in_registers()
+            _eight_rows_at_once()
         self._holder = None  # a weak reference to the batch decoding on the static cache
         # a class of its own: the one guard kept on the module is its type, which finds this pass's graphs (its
         # frozen weights, its cache), not those of another pass compiled in the process
@@ -358,6 +360,29 @@ def _accumulators_in_registers() -> None:
     common = "\n{%- if not trans_b %}\n    constexpr auto VLEN"
     if Kernel.TEMPLATE_KERNEL.count(common) == 1:
         Kernel.TEMPLATE_KERNEL = Kernel.TEMPLATE_KERNEL.replace(common, _MICRO_KERNEL)
+
+
+def _eight_rows_at_once() -> None:
+    """On AVX2, a float32 product of 8 rows (or a multiple of 8) takes inductor's micro-kernel of 8 rows by 8 columns,
+    for the process. Inductor prefers 4 rows by 24 columns (more accumulators): it multiplies 8 rows as two blocks
+    one after the other, the first streaming each block of weights from memory, the second reading it again from the
+    cache while memory waits. 8 rows at once read each weight once for all 8: the 8-node pass took 1.26-1.28 one-node
+    passes on the AVX2 EPYC, against 1.74-1.84 (`benchmarks/compiled_steps.py`, alternated). Other row counts and
+    instruction sets (AVX-512 takes 8 rows a block already) keep inductor's choice."""
+    import torch._inductor.lowering  # noqa: F401  (imports inductor's kernels in the order they import each other)
+    from torch._inductor.codegen import cpp_micro_gemm as micro
+    from torch._inductor.cpu_vec_isa import VecAVX2
+
+    configs = micro.micro_gemm_configs.get(micro.CppMicroGemmFP32Vec, [])
+    for index, config in enumerate(configs):
+        if (config.vec_isa_cls is VecAVX2 and config.input_dtype == config.input2_dtype == torch.float
+                and config.register_blocking.block_m == 4 and config.extra_check is None):  # fmt: skip
+            configs[index] = dataclasses.replace(config, extra_check=_not_eight_rows)
+
+
+def _not_eight_rows(config, m: int, *args, **kwargs) -> bool:
+    """A micro-kernel configuration's check: not for a product of a multiple of 8 rows."""
+    return m % 8 != 0
 
 
 def _vector_isa() -> dict:
