@@ -1,6 +1,8 @@
 """Pacing: each step's tree and lookup chosen by expected speed from this machine's step costs (faked here, so that
 the right choice is known), measured once per machine; and per prompt as it goes, without changing the output."""
 
+import types
+
 import pytest
 import torch
 
@@ -58,6 +60,26 @@ def test_cheap_rows_take_the_biggest_tree_and_dear_rows_plain_steps(tmp_path, mo
     fake_timings(monkeypatch, {1: [0.1, 0.15, 0.18, 0.2, 0.28, 0.35]})
     monkeypatch.setenv("MTP_CACHE", str(tmp_path / "another"))
     assert machine_pacer(model, tokenizer, heads, CANDIDATES, PATHS).best(1).tree.size == 2
+
+
+def test_on_the_compiled_pass_lookup_expects_only_the_tokens_that_fit_beside_the_tree(tmp_path, monkeypatch,
+                                                                                     tokenizer):  # fmt: skip
+    """The largest compiled pass (8 nodes) verifies no lookup token beside an 8-node tree and at most 4 beside a
+    4-node one: pacing expects and proposes no more (`within`), so the 4-node tree with lookup wins; eagerly
+    (no compiled pass) the 8-node tree with lookup verifies everything and wins."""
+    monkeypatch.setenv("MTP_CACHE", str(tmp_path))
+    model = tiny_model()
+    heads = random_heads(model, num_heads=3)
+    fake_timings(monkeypatch, {1: CHEAP})
+    candidates = [Candidate(1), Candidate(4, (0, 5, 10), 0.7, 1.0, depth=2), Candidate(8, (10,) * 3, 1.0, 1.2, depth=3)]
+    eager = machine_pacer(model, tokenizer, heads, candidates, PATHS).best(1)
+    assert eager.tree.size == 8 and eager.lookup.lengths == (10, 10, 10)
+    compiled = types.SimpleNamespace(buckets=(1, 4, 8), length=64)  # what pacing reads of a compiled pass
+    pacer = machine_pacer(model, tokenizer, heads, candidates, PATHS, compiled)
+    best = pacer.best(1)
+    assert best.tree.size == 4 and best.lookup.lengths == (0, 4, 4) and best.candidate.from_lookup == 1.0
+    eight = next(plan for plan, _ in pacer.options(1) if plan.tree.size == 8)
+    assert eight.lookup is None and eight.candidate.from_lookup == 0.0
 
 
 def test_sizes_are_timed_in_turn_so_that_a_host_whose_speed_drifts_weighs_on_every_size_alike(monkeypatch, tokenizer):
