@@ -9,7 +9,7 @@ expected tokens per step over its expected seconds per step, and the plain step 
 a candidate: where no tree pays, mtp decodes plainly.
 
 Each row keeps a running skill per drafter (its accepted candidates over those the step's candidate expects,
-smoothed over the last few steps); each step takes the candidate with the most expected tokens per second for
+smoothed over about the last 20 steps); each step takes the candidate with the most expected tokens per second for
 the rows at hand. A prompt whose guesses are rarely right shrinks its tree, down to plain steps; while a drafter
 sits out, its skill drifts back to the average, so the tree grows back to try again, ever more rarely while its
 tries keep failing. Lossless either way: the tree changes between steps, never the acceptance rule.
