@@ -24,8 +24,8 @@ from mtp.decoding.lookup import Lookup
 from mtp.decoding.tree import DynamicTree, Tree
 
 RATE = 0.05  # the weight of a step's acceptance in a row's running skill (about the last 20 steps count: at 0.3, a
-# few steps that accepted nothing, common for any drafter, dropped the tree; 16 MT-Bench first turns ran 1.19x the
-# compiled plain loop paced so, 1.33x at 0.05, 1.35x with the tree fixed, on the AVX2 EPYC)
+# few steps that accepted nothing, common for any drafter, dropped the tree; 16 MT-Bench first turns ran 1.19-1.22x
+# the compiled plain loop paced so, 1.28x as set here, 1.34-1.35x with the 4-node tree fixed, on the AVX2 EPYC)
 TRY = 0.3  # the weight of a try after sitting out: one that fails puts the drafter out again for a while
 RETURN = 0.02  # per step a drafter sits out, its skill moves this share of the way back to 1 (the average): a
 # drafter dropped for a prompt is tried again after a few steps, not every other one
