@@ -264,18 +264,21 @@ def test_buckets_are_checked():
 
 
 def test_the_compiled_pass_is_kept_on_disk_and_loaded_later_for_the_same_weights_only(model, tokenizer, monkeypatch,
-                                                                                        tmp_path):  # fmt: skip
+                                                                                        tmp_path, capsys):  # fmt: skip
     """On a CPU each node count's pass is an AOTInductor package in mtp's cache folder, made once: a later pass of
-    the same model (as in a later process) loads it without tracing or compiling. The weights are frozen into a
-    package, so a model of the same shapes with other weights gets packages of its own, and decodes on its own
-    weights."""
+    the same model (as in a later process) loads it without tracing or compiling, and says that it loads. The
+    weights are frozen into a package, so a model of the same shapes with other weights gets packages of its own,
+    and decodes on its own weights."""
     monkeypatch.setenv("MTP_CACHE", str(tmp_path))
     made, make = [], torch._inductor.aoti_compile_and_package
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", lambda *a, **k: made.append(1) or make(*a, **k))
     CompiledPass(Target(model), buckets=(2,), length=64, templates=False).warm_up()
     assert len(made) == 1 and len(list((tmp_path / "passes").glob("*-2.pt2"))) == 1
+    assert "mtp: compiling the verification pass for 2 nodes on cpu" in capsys.readouterr().err
     CompiledPass(Target(model), buckets=(2,), length=64, templates=False).warm_up()
     assert len(made) == 1  # loaded
+    assert f"mtp: loading the verification pass compiled for 2 nodes (from {tmp_path / 'passes'}) 2: " in \
+        capsys.readouterr().err
     other = tiny_model(seed=1)
     second = CompiledPass(Target(other), buckets=(2,), length=64, templates=False)
     second.warm_up()

@@ -187,10 +187,14 @@ class CompiledPass:
         tokens = torch.zeros(1, context, dtype=torch.long, device=self.target.device)
         # (with the layers' states: transformers hooks them now, not traced)
         self.target.run(self.every_layer, input_ids=tokens, cache=prefill)
-        kept = cache_dir() / "passes" if self._packages is not None else os.environ[INDUCTOR_DIR]
-        print(f"mtp: compiling the verification pass for {', '.join(map(str, self.buckets))} nodes on "
-              f"{self.target.device.type} (kept in {kept} for later processes)", end="", file=sys.stderr,
-              flush=True)  # fmt: skip
+        counts = ", ".join(map(str, self.buckets))
+        if self._packages is not None and all(self._package_path(size).is_file() for size in self.buckets):
+            said = f"loading the verification pass compiled for {counts} nodes (from {cache_dir() / 'passes'})"
+        else:
+            kept = cache_dir() / "passes" if self._packages is not None else os.environ[INDUCTOR_DIR]
+            said = f"compiling the verification pass for {counts} nodes on {self.target.device.type} (kept in {kept} " \
+                   "for later processes)"  # fmt: skip
+        print(f"mtp: {said}", end="", file=sys.stderr, flush=True)
         slots = torch.arange(context, device=self.target.device)[None]
         for size in self.buckets:
             self.load(prefill)
