@@ -187,11 +187,11 @@ class CompiledPass:
         tokens = torch.zeros(1, context, dtype=torch.long, device=self.target.device)
         # (with the layers' states: transformers hooks them now, not traced)
         self.target.run(self.every_layer, input_ids=tokens, cache=prefill)
-        counts = ", ".join(map(str, self.buckets))
+        counts, folder = ", ".join(map(str, self.buckets)), cache_dir() / "passes"
         if self._packages is not None and all(self._package_path(size).is_file() for size in self.buckets):
-            said = f"loading the verification pass compiled for {counts} nodes (from {cache_dir() / 'passes'})"
+            said = f"loading the verification pass compiled for {counts} nodes (from {folder})"
         else:
-            kept = cache_dir() / "passes" if self._packages is not None else os.environ[INDUCTOR_DIR]
+            kept = folder if self._packages is not None else os.environ[INDUCTOR_DIR]
             said = f"compiling the verification pass for {counts} nodes on {self.target.device.type} (kept in {kept} " \
                    "for later processes)"  # fmt: skip
         print(f"mtp: {said}", end="", file=sys.stderr, flush=True)
