@@ -45,9 +45,10 @@ class Killed(L.Callback):
 def float_drafts(monkeypatch):
     """Drafters decode here from float rows, as off a CPU (`mtp.linears.int8_drafts`): for tests that compare their
     logits with float references."""
+    from mtp import linears
     from mtp.drafters import eagle, heads
 
-    for module in (heads, eagle):
+    for module in (heads, eagle, linears):
         monkeypatch.setattr(module, "int8_drafts", lambda device: False)
 
 

@@ -28,7 +28,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 from mtp.decoding.target import Target
 from mtp.drafters.contract import Drafter, DrafterConfig
 from mtp.drafters.eagle_proposer import EagleProposer
-from mtp.linears import int8_drafts, quantized_product, quantized_rows
+from mtp.linears import int8_drafts, int8_product
 
 # the base's rotary settings the drafter's layer takes: its type, theta and scaling (not a partial rotary factor:
 # the drafter rotates whole heads)
@@ -251,10 +251,7 @@ class Eagle(Drafter, kind="eagle"):
         heads draft."""
         weight = self.lm_head.weight if self.lm_head is not None else self._rows(base_lm_head)
         if int8_drafts(weight.device) and not torch.is_grad_enabled():
-            key = (weight.data_ptr(), weight._version, weight.dtype)
-            if getattr(self, "_quantized_key", None) != key:
-                self._quantized_key, self._quantized = key, quantized_rows(weight)
-            return quantized_product(normed, self._quantized)
+            return int8_product(self, normed, weight)
         if self.lm_head is not None:
             return self.lm_head(normed)
         return normed @ weight.T

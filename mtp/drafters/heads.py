@@ -11,7 +11,7 @@ from transformers import PreTrainedModel
 from mtp.decoding.proposer import TreeProposer
 from mtp.decoding.target import Target
 from mtp.drafters.contract import Drafter, DrafterConfig
-from mtp.linears import int8_drafts, narrow_rows, product, quantized_product, quantized_rows
+from mtp.linears import draft_linear, int8_drafts, narrow_rows, product, quantized_product, quantized_rows
 
 
 def following_tokens(input_ids: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -31,7 +31,7 @@ class ResidualBlock(nn.Module):
         nn.init.zeros_(self.linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + F.silu(self.linear(x))
+        return x + F.silu(draft_linear(self.linear, x))
 
 
 class Heads(Drafter):
@@ -224,7 +224,7 @@ class HydraHeads(Heads, kind="hydra"):
         if following is None or following.shape[-2] < k + 1:
             raise ValueError(f"Hydra head {k} reads the embeddings of the {k + 1} tokens after t: pass `following`.")
         path = following[..., : k + 1, :].flatten(-2)  # (..., (k+1) H)
-        return self.blocks[k](self.inputs[k](torch.cat([hidden.expand(*path.shape[:-1], -1), path], -1)))
+        return self.blocks[k](draft_linear(self.inputs[k], torch.cat([hidden.expand(*path.shape[:-1], -1), path], -1)))
 
 
 class HeadsProposer(TreeProposer):
