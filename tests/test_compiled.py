@@ -145,6 +145,8 @@ def test_the_static_cache_after_acceptance_equals_a_causal_run(model, compiled, 
     filled = batch.slots.shape[1]
     assert filled == prompt.shape[1] + len(settled) - 1  # the last settled token is the next root, not cached
     causal = prefilled(model, torch.cat([prompt[0], torch.tensor(settled[:-1])])[None])
+    keys, values = compiled.cache.stacked  # every layer's keys and values views of two tensors, moved at once
+    assert all(layer.keys._base is keys and layer.values._base is values for layer in compiled.cache.layers)
     for ours, theirs in zip(compiled.cache.layers, causal.layers, strict=True):
         torch.testing.assert_close(ours.keys[:, :, :filled], theirs.keys, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(ours.values[:, :, :filled], theirs.values, atol=1e-5, rtol=1e-4)

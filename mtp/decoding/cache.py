@@ -117,9 +117,11 @@ def keep_accepted(cache: DynamicCache, slots: torch.Tensor, nodes: list[torch.Te
     in_place = torch.equal(accepted, torch.arange(accepted.shape[1], device=slots.device).expand_as(accepted))
     index = (length + accepted.clamp(min=0))[:, None, :, None]  # (B, 1, A, 1) the nodes' slots in the pass
     passed = int(cache.get_seq_length())  # T + the pass's queries (a static layer's keys hold every slot)
+    # (B, heads, T+Q, D) each layer's keys and values, or all layers' stacked in front (a compiled pass's cache)
+    moved = getattr(cache, "stacked", None) or [each for layer in cache.layers for each in (layer.keys, layer.values)]
+    for states in () if in_place else moved:
+        states[..., length:end, :] = states.gather(-2, index.expand(*states.shape[:-2], -1, states.shape[-1]))
     for layer in cache.layers:
-        for states in () if in_place else (layer.keys, layer.values):  # (B, heads, T+Q, D)
-            states[:, :, length:end] = states.gather(2, index.expand(-1, states.shape[1], -1, states.shape[3]))
         layer.crop(end - passed)
     new = prefix_lens[:, None] + torch.arange(accepted.shape[1], device=slots.device)  # (B, A)
     return torch.cat([slots, new.masked_fill(accepted < 0, -1)], 1)

@@ -134,9 +134,12 @@ class CompiledPass:
 
     def load(self, cache: DynamicCache) -> Cache:
         """This pass's static cache holding what the one-row `cache` holds (a prefill's), in its first slots."""
-        for layer, filled in zip(self.cache.layers, cache.layers, strict=True):
-            if not layer.is_initialized:
+        if not self.cache.layers[0].is_initialized:  # first use: the layers' tensors, of this model's shapes
+            for layer, filled in zip(self.cache.layers, cache.layers, strict=True):
                 layer.lazy_initialization(filled.keys, filled.values)
+            if self._packages is not None:  # (a graph compiled by `torch.compile` takes them as inputs: not aliased)
+                self.cache.stacked = _stacked(self.cache.layers)
+        for layer, filled in zip(self.cache.layers, cache.layers, strict=True):
             length = filled.keys.shape[2]
             layer.keys[:, :, :length] = filled.keys  # (1, G, T, D)
             layer.values[:, :, :length] = filled.values
@@ -230,6 +233,7 @@ class CompiledPass:
             seen = torch.export.Dim("seen", min=size + 1, max=self.length - 1)  # every filled length: one package
             shapes = {name: {3: seen} for name in mask} if isinstance(mask, dict) else {3: seen}
             with self._tracing():
+                inputs = (*inputs[:3], *(t.clone() for t in inputs[3:]))  # traced apart: no views of one tensor
                 exported = torch.export.export(_CacheInputs(self._forward, self.cache), inputs, strict=False,
                                                dynamic_shapes=(None, None, shapes, (None,) * (len(inputs) - 3)))
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -421,10 +425,28 @@ class _SeenCache(Cache):
     41 (SmolLM2, the 2-core Zen 4 EPYC)."""
 
     seen: int | torch.SymInt = 0
+    stacked: list[torch.Tensor] | None = None
+    """Every layer's keys as views of one tensor, its values of another ((layers, 1, G, slots, D) each), so that a
+    step's accepted nodes move in every layer at once (`mtp.decoding.cache.keep_accepted`); None: apart."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         return keys[:, :, : self.seen], values[:, :, : self.seen]  # (1, G, seen, D) each
+
+
+def _stacked(layers: list[StaticLayer]) -> list[torch.Tensor] | None:
+    """The static `layers`' keys and values made views of two tensors (`_SeenCache.stacked`), each layer's part
+    contiguous as before; None, the layers left apart, if their shapes differ. Moving a step's accepted nodes layer
+    by layer took 0.35 ms a step (60 products of gathers and copies, SmolLM2, the 2-core AVX2 EPYC)."""
+    stacked = []
+    for name in ("keys", "values"):
+        own = [getattr(layer, name) for layer in layers]
+        if len({(t.shape, t.dtype) for t in own}) > 1:
+            return None
+        stacked.append(torch.stack(own))  # (layers, 1, G, slots, D)
+        for layer, view in zip(layers, stacked[-1], strict=True):
+            setattr(layer, name, view)
+    return stacked
 
 
 class _Pass(torch.nn.Module):
