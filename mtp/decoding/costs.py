@@ -26,14 +26,15 @@ BATCH_MAX_NODES = 16  # the largest tree timed for a step over several rows (a b
 ROUNDS = 4  # every size is timed once a round, in turn, forward then backward: the median of its steps is then
 # taken at the same moment for all sizes when the host's speed drifts steadily
 CONTEXT = 256  # prompt tokens before the timed steps
-STEPS = 7  # the version of a step's code and its timing, in the costs' key: raised when a change makes steps cheaper
+STEPS = 8  # the version of a step's code and its timing, in the costs' key: raised when a change makes steps cheaper
 # or dearer, or times them otherwise, so that costs measured before it are measured again (2: the heads' draft
 # products as measured faster, 5.6 -> 2.8 ms a 4-node tree step in float32 on the Zen 4 EPYC; 3: sizes timed in
 # turn, ROUNDS; 4: the CPU's products as C++ GEMM templates alone in float32, an 8-node pass 45.5 -> 34.6 ms; 5: their
 # micro-kernel's accumulators kept in registers, an 8-node pass 33.0 -> 21.7 ms; 6: drafting from int8 rows on a CPU,
 # a 4-node tree's drafting 3.6 -> 2.4 ms a step on the AVX2 EPYC, the micro-kernel's prefetch (`compiled.PACKAGES`
 # 4), and timed sizes out of order pooled, `monotone`; 7: 8 rows at once on AVX2, an 8-node pass 1.63 -> 1.28 one-node
-# passes on the AVX2 EPYC, `compiled.PACKAGES` 5)
+# passes on the AVX2 EPYC, `compiled.PACKAGES` 5; 8: the heads' small layers drafting from int8 rows and the accepted
+# nodes moved in every layer at once, a step's proposal 2.8 -> 2.3 ms and its cache 0.93 -> 0.69 ms on the AVX2 EPYC)
 
 
 def timed_sizes(paths: list[Path], batch: int) -> list[int]:
