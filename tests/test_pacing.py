@@ -82,6 +82,26 @@ def test_on_the_compiled_pass_lookup_expects_only_the_tokens_that_fit_beside_the
     assert eight.lookup is None and eight.candidate.from_lookup == 0.0
 
 
+def test_lookup_cut_to_the_room_beside_the_tree_expects_the_share_of_its_new_nodes_that_fit(tmp_path, monkeypatch,
+                                                                                           tokenizer):  # fmt: skip
+    """Half the steps propose 10 new lookup nodes, half none: beside a 4-node tree the largest compiled pass keeps 4
+    of them, beside a 6-node tree 2, so lookup expects 0.4 and 0.2 of its saved acceptance. Kept whole, the 6-node
+    tree's lookup (1.30 expected) made that tree the fastest at these costs; cut, the 4-node tree is."""
+    monkeypatch.setenv("MTP_CACHE", str(tmp_path))
+    model = tiny_model()
+    heads = random_heads(model, num_heads=3)
+    fake_timings(monkeypatch, {1: CHEAP})
+    nodes = (0.5,) + (0.0,) * 9 + (0.5,)  # the share of steps with 0, 1, ..., 10 new nodes
+    candidates = [Candidate(1), Candidate(4, (10,) * 3, 0.7, 1.28, nodes, depth=2),
+                  Candidate(6, (10,) * 3, 0.87, 1.30, nodes, depth=3)]  # fmt: skip
+    compiled = types.SimpleNamespace(buckets=(1, 4, 8), length=64)
+    pacer = machine_pacer(model, tokenizer, heads, candidates, PATHS, compiled)
+    cut = {plan.tree.size: (plan.lookup.lengths, plan.candidate.from_lookup)
+           for plan, _ in pacer.options(1) if plan.lookup}  # fmt: skip
+    assert cut == {4: ((4, 4, 4), pytest.approx(0.4 * 1.28)), 6: ((2, 2, 2), pytest.approx(0.2 * 1.30))}
+    assert pacer.best(1).tree.size == 4
+
+
 def test_sizes_are_timed_in_turn_so_that_a_host_whose_speed_drifts_weighs_on_every_size_alike(monkeypatch, tokenizer):
     """Every size is timed once a round, forward then backward: with the host slowing down or speeding up steadily
     (here a step takes less time with every step timed), the costs keep the true ratios between sizes; timed one
