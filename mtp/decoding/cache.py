@@ -115,12 +115,13 @@ def keep_accepted(cache: DynamicCache, slots: torch.Tensor, nodes: list[torch.Te
     end = length + accepted.shape[1]  # the slots after the pass
     # every row accepted the first nodes of its pass (a plain step, a chain): they are where they are kept
     in_place = torch.equal(accepted, torch.arange(accepted.shape[1], device=slots.device).expand_as(accepted))
-    index = (length + accepted.clamp(min=0))[:, None, :, None]  # (B, 1, A, 1) the nodes' slots in the pass
     passed = int(cache.get_seq_length())  # T + the pass's queries (a static layer's keys hold every slot)
-    # (B, heads, T+Q, D) each layer's keys and values, or all layers' stacked in front (a compiled pass's cache)
-    moved = getattr(cache, "stacked", None) or [each for layer in cache.layers for each in (layer.keys, layer.values)]
-    for states in () if in_place else moved:
-        states[..., length:end, :] = states.gather(-2, index.expand(*states.shape[:-2], -1, states.shape[-1]))
+    if not in_place:
+        index = (length + accepted.clamp(min=0))[:, None, :, None]  # (B, 1, A, 1) the nodes' slots in the pass
+        # (B, heads, T+Q, D) each layer's keys and values, or all layers' stacked in front (a compiled pass's cache)
+        stacked = getattr(cache, "stacked", None)
+        for states in stacked or [each for layer in cache.layers for each in (layer.keys, layer.values)]:
+            states[..., length:end, :] = states.gather(-2, index.expand(*states.shape[:-2], -1, states.shape[-1]))
     for layer in cache.layers:
         layer.crop(end - passed)
     new = prefix_lens[:, None] + torch.arange(accepted.shape[1], device=slots.device)  # (B, A)
