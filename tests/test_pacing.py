@@ -102,6 +102,30 @@ def test_lookup_cut_to_the_room_beside_the_tree_expects_the_share_of_its_new_nod
     assert pacer.best(1).tree.size == 4
 
 
+def test_a_cut_lookup_that_sizing_simulated_comes_before_the_estimate_of_a_longer_one(tmp_path, monkeypatch,
+                                                                                      tokenizer):  # fmt: skip
+    """Sizing saves lookups also cut to the room beside their tree (`mtp.tools.sizing`): on the compiled pass the
+    4-node tree's 10 / 10 / 10, cut to 4 / 4 / 4, gives way to the simulated 4 / 4 / 4 (0.85 accepted a step against
+    0.51 estimated), and then wins over the 6-node tree; a cut with no simulated twin keeps its estimate, and one
+    cut to nothing gives way to the tree alone."""
+    monkeypatch.setenv("MTP_CACHE", str(tmp_path))
+    model = tiny_model()
+    heads = random_heads(model, num_heads=3)
+    fake_timings(monkeypatch, {1: CHEAP})
+    nodes = (0.5,) + (0.0,) * 9 + (0.5,)  # the share of steps with 0, 1, ..., 10 new nodes
+    candidates = [Candidate(1), Candidate(4, (10,) * 3, 0.7, 1.28, nodes, depth=2),
+                  Candidate(4, (4,) * 3, 0.7, 0.85, (0.5,) + (0.0,) * 3 + (0.5,), depth=2),
+                  Candidate(6, (10,) * 3, 0.87, 1.30, nodes, depth=3), Candidate(8, (), 0.95, depth=3),
+                  Candidate(8, (10,) * 3, 0.95, 1.30, nodes, depth=3)]  # fmt: skip
+    compiled = types.SimpleNamespace(buckets=(1, 4, 8), length=64)
+    pacer = machine_pacer(model, tokenizer, heads, candidates, PATHS, compiled)
+    options = [(plan.tree.size, plan.candidate.lookup, plan.candidate.from_lookup) for plan, _ in pacer.options(1)]
+    assert options == [(1, (), 0.0), (4, (4, 4, 4), 0.85), (6, (2, 2, 2), pytest.approx(0.2 * 1.30)), (8, (), 0.0)]
+    best = pacer.best(1)
+    assert best.tree.size == 4 and best.lookup.lengths == (4, 4, 4) and best.candidate.from_lookup == 0.85
+    assert machine_pacer(model, tokenizer, heads, candidates, PATHS).best(1).lookup.lengths == (10,) * 3  # eager
+
+
 def test_sizes_are_timed_in_turn_so_that_a_host_whose_speed_drifts_weighs_on_every_size_alike(monkeypatch, tokenizer):
     """Every size is timed once a round, forward then backward: with the host slowing down or speeding up steadily
     (here a step takes less time with every step timed), the costs keep the true ratios between sizes; timed one

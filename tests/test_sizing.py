@@ -1,4 +1,5 @@
 import json
+import types
 
 import pytest
 import torch
@@ -174,6 +175,36 @@ def test_sizing_with_held_out_answers_simulates_each_size_and_saves_the_best_tre
     heads.save_config(path)
     assert mtp.load(path).tree == DynamicTree(4, 2, 2)
     assert mtp.load(path, tree="chain").tree.size == 4  # the caller's tree still comes first
+
+
+def test_on_a_compiled_pass_sizing_simulates_lookup_as_that_pass_verifies_it(tmp_path, monkeypatch):
+    """The compiled pass verifies no lookup token past its largest size (8): sizing searches lookups that fit
+    beside each tree and saves every candidate's lookup also cut to that room, simulated as such, not estimated."""
+    monkeypatch.setenv("MTP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(mtp.tools.sizing, "measure_steps", lambda *args, **kwargs: [0.04, 0.05, 0.06, 0.08, 0.10])
+    compiled = types.SimpleNamespace(buckets=(1, 4, 8), length=64)  # what sizing reads of a compiled pass
+    monkeypatch.setattr(mtp.tools.sizing, "compile_pass", lambda *args, **kwargs: compiled)
+    left = torch.arange(8, 0, -1)  # as above: a 2-token match at every root, right to the answer's end
+    copy = {"left": left, "order": torch.full((8, 2), 6), "match": torch.full((8,), 2),
+            "chain": torch.full((8,), 10), "right": left}  # fmt: skip
+    monkeypatch.setattr(mtp.tools.sizing, "held_out_roots", lambda *args: copy)
+    monkeypatch.setattr(mtp.tools.sizing, "dynamic_trees", lambda *args: [])
+    path, _, _ = save_random_heads(tmp_path)
+    heads = MedusaHeads.from_pretrained(path)
+    heads.config.calibration = CALIBRATION + [[0.0, 0.0, 0.0]]
+    heads.save_config(path)
+    table = size_tree(path, max_nodes=7, held_out=["answers"])
+    assert table["chosen"] == 1 and table["chosen_lookup"] == [0, 7]  # 7 tokens fit beside the root
+    assert all(max(row["lengths"]) <= 8 - size for size, row in enumerate(table["lookup"], 1))  # within the room
+    saved = {(row["size"], tuple(row["lookup"])): row for row in MedusaHeads.from_pretrained(path).config.acceptance}
+    for size, cut in ((1, (7, 7, 7)), (4, (4, 4, 4)), (6, (2, 2, 2))):
+        assert (size, (FULL,) * 3) in saved  # kept whole for a pass that verifies more
+        depth = saved[size, ()]["depth"]
+        assert saved[size, cut] == acceptance(copy, size, list(cut), depth).as_dict()
+    # the 4-node tree's lookup cut to 4: 4 right at the first root, then 2 before the answer's last token (the
+    # bonus): 3 a step, where the whole lookup accepts 7 in one step and the share of its new nodes that fit
+    # (`within`: 4 of 10) estimated 2.8
+    assert saved[4, (4, 4, 4)]["from_lookup"] == 3.0 and saved[4, (FULL,) * 3]["from_lookup"] == 7.0
 
 
 def test_dynamic_trees_are_simulated_on_distinct_answers_spread_over_the_held_out_set():

@@ -145,14 +145,16 @@ def acceptance(roots: dict[str, torch.Tensor], size: int, lengths: list[int], de
                      float(from_lookup.double().mean()), tuple(shares.tolist()), depth)  # fmt: skip
 
 
-def best_lookup(roots: dict[str, torch.Tensor], size: int, costs: list[float], heads=None) -> tuple:
-    """The lookup lengths (one per match length, each from LOOKUP_LENGTHS) with the most tokens per second beside
-    the `size`-node tree, by coordinate ascent from none, and their `simulate` figures (`heads`: as there)."""
+def best_lookup(roots: dict[str, torch.Tensor], size: int, costs: list[float], heads=None,
+                most: int | None = None) -> tuple:  # fmt: skip
+    """The lookup lengths (one per match length, each from LOOKUP_LENGTHS, at most `most`) with the most tokens per
+    second beside the `size`-node tree, by coordinate ascent from none, and their `simulate` figures (`heads`: as
+    there)."""
     lengths = [0] * int(roots["match"].max().clamp(min=1))
     best = simulate(roots, size, lengths, costs, heads)
     for _ in range(2):
         for n in range(len(lengths)):
-            for value in LOOKUP_LENGTHS:
+            for value in LOOKUP_LENGTHS[: None if most is None else most + 1]:
                 trial = lengths[:n] + [value] + lengths[n + 1 :]
                 found = simulate(roots, size, trial, costs, heads)
                 if found[0] / found[2] > best[0] / best[2]:
