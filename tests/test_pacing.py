@@ -24,6 +24,8 @@ CANDIDATES = [Candidate(1), Candidate(2, (), 0.6, depth=1), Candidate(4, (), 1.0
               Candidate(8, (), 1.3, depth=3)]  # fmt: skip
 CHEAP = [0.1] * 6  # sizes 1, 2, 3, 4, 6, 8 cost one plain step: the biggest tree pays most
 DEAR = [0.1, 0.2, 0.3, 0.4, 0.6, 0.8]  # every node costs a plain step: no tree pays
+COMPILED = types.SimpleNamespace(buckets=(1, 4, 8), length=64)  # what pacing reads of a compiled pass
+TEN_OR_NONE = (0.5,) + (0.0,) * 9 + (0.5,)  # the share of steps with 0, 1, ..., 10 new lookup nodes
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +76,7 @@ def test_on_the_compiled_pass_lookup_expects_only_the_tokens_that_fit_beside_the
     candidates = [Candidate(1), Candidate(4, (0, 5, 10), 0.7, 1.0, depth=2), Candidate(8, (10,) * 3, 1.0, 1.2, depth=3)]
     eager = machine_pacer(model, tokenizer, heads, candidates, PATHS).best(1)
     assert eager.tree.size == 8 and eager.lookup.lengths == (10, 10, 10)
-    compiled = types.SimpleNamespace(buckets=(1, 4, 8), length=64)  # what pacing reads of a compiled pass
-    pacer = machine_pacer(model, tokenizer, heads, candidates, PATHS, compiled)
+    pacer = machine_pacer(model, tokenizer, heads, candidates, PATHS, COMPILED)
     best = pacer.best(1)
     assert best.tree.size == 4 and best.lookup.lengths == (0, 4, 4) and best.candidate.from_lookup == 1.0
     eight = next(plan for plan, _ in pacer.options(1) if plan.tree.size == 8)
@@ -91,11 +92,9 @@ def test_lookup_cut_to_the_room_beside_the_tree_expects_the_share_of_its_new_nod
     model = tiny_model()
     heads = random_heads(model, num_heads=3)
     fake_timings(monkeypatch, {1: CHEAP})
-    nodes = (0.5,) + (0.0,) * 9 + (0.5,)  # the share of steps with 0, 1, ..., 10 new nodes
-    candidates = [Candidate(1), Candidate(4, (10,) * 3, 0.7, 1.28, nodes, depth=2),
-                  Candidate(6, (10,) * 3, 0.87, 1.30, nodes, depth=3)]  # fmt: skip
-    compiled = types.SimpleNamespace(buckets=(1, 4, 8), length=64)
-    pacer = machine_pacer(model, tokenizer, heads, candidates, PATHS, compiled)
+    candidates = [Candidate(1), Candidate(4, (10,) * 3, 0.7, 1.28, TEN_OR_NONE, depth=2),
+                  Candidate(6, (10,) * 3, 0.87, 1.30, TEN_OR_NONE, depth=3)]  # fmt: skip
+    pacer = machine_pacer(model, tokenizer, heads, candidates, PATHS, COMPILED)
     cut = {plan.tree.size: (plan.lookup.lengths, plan.candidate.from_lookup)
            for plan, _ in pacer.options(1) if plan.lookup}  # fmt: skip
     assert cut == {4: ((4, 4, 4), pytest.approx(0.4 * 1.28)), 6: ((2, 2, 2), pytest.approx(0.2 * 1.30))}
@@ -112,13 +111,11 @@ def test_a_cut_lookup_that_sizing_simulated_comes_before_the_estimate_of_a_longe
     model = tiny_model()
     heads = random_heads(model, num_heads=3)
     fake_timings(monkeypatch, {1: CHEAP})
-    nodes = (0.5,) + (0.0,) * 9 + (0.5,)  # the share of steps with 0, 1, ..., 10 new nodes
-    candidates = [Candidate(1), Candidate(4, (10,) * 3, 0.7, 1.28, nodes, depth=2),
+    candidates = [Candidate(1), Candidate(4, (10,) * 3, 0.7, 1.28, TEN_OR_NONE, depth=2),
                   Candidate(4, (4,) * 3, 0.7, 0.85, (0.5,) + (0.0,) * 3 + (0.5,), depth=2),
-                  Candidate(6, (10,) * 3, 0.87, 1.30, nodes, depth=3), Candidate(8, (), 0.95, depth=3),
-                  Candidate(8, (10,) * 3, 0.95, 1.30, nodes, depth=3)]  # fmt: skip
-    compiled = types.SimpleNamespace(buckets=(1, 4, 8), length=64)
-    pacer = machine_pacer(model, tokenizer, heads, candidates, PATHS, compiled)
+                  Candidate(6, (10,) * 3, 0.87, 1.30, TEN_OR_NONE, depth=3), Candidate(8, (), 0.95, depth=3),
+                  Candidate(8, (10,) * 3, 0.95, 1.30, TEN_OR_NONE, depth=3)]  # fmt: skip
+    pacer = machine_pacer(model, tokenizer, heads, candidates, PATHS, COMPILED)
     options = [(plan.tree.size, plan.candidate.lookup, plan.candidate.from_lookup) for plan, _ in pacer.options(1)]
     assert options == [(1, (), 0.0), (4, (4, 4, 4), 0.85), (6, (2, 2, 2), pytest.approx(0.2 * 1.30)), (8, (), 0.0)]
     best = pacer.best(1)
