@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import mtp
+import mtp.decoding.batch
 import mtp.decoding.costs
 import mtp.tools.sizing
 from mtp.base import load_tokenizer
@@ -205,6 +206,22 @@ def test_on_a_compiled_pass_sizing_simulates_lookup_as_that_pass_verifies_it(tmp
     # bonus): 3 a step, where the whole lookup accepts 7 in one step and the share of its new nodes that fit
     # (`within`: 4 of 10) estimated 2.8
     assert saved[4, (4, 4, 4)]["from_lookup"] == 3.0 and saved[4, (FULL,) * 3]["from_lookup"] == 7.0
+
+
+def test_drafting_is_timed_as_decoding_drafts_without_gradients(monkeypatch):
+    model = tiny_model()
+    heads = random_heads(model, num_heads=2)
+    grads, propose = [], mtp.decoding.batch.Batch.propose
+
+    def recording(self, plan):
+        grads.append(torch.is_grad_enabled())
+        return propose(self, plan)
+
+    monkeypatch.setattr(mtp.decoding.batch.Batch, "propose", recording)
+    trees = [Tree.from_paths([(0,)]), DynamicTree(4, 2, 2)]
+    seconds = mtp.tools.sizing.measure_drafting(model, load_tokenizer(TINY_BASE), heads, trees, context=8, steps=2)
+    assert len(seconds) == 2 and all(s > 0 for s in seconds)
+    assert len(grads) == 2 * 3 and not any(grads)  # the warm-up step's proposal and two timed ones, each tree
 
 
 def test_dynamic_trees_are_simulated_on_distinct_answers_spread_over_the_held_out_set():
