@@ -20,7 +20,8 @@ simulated instead, step by step: at each root, the heads' tree accepts the true 
 (teacher-forced guesses), prompt lookup (`mtp.decoding.lookup`) its right leading tokens, the step the longer of the two
 plus the bonus token, and it costs step(N + lookup's tokens that are new nodes). Heads and lookup are measured
 together on the same answers, so their overlap is counted once. For every tree size, the lookup lengths (tokens
-after a match of 1, 2, 3 tokens) with the most tokens per second are searched, and the best pair is saved.
+after a match of 1, 2, 3 tokens) with the most tokens per second are searched (on a compiled pass, among those
+that fit beside the tree in its largest size: it verifies no more), and the best pair is saved.
 """
 
 import argparse
