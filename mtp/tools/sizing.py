@@ -58,7 +58,7 @@ DYNAMIC_ANSWERS = 24  # distinct held-out answers they are simulated on (every r
 def measure_drafting(model, tokenizer, heads: Drafter, plans: list, context: int, steps: int = 6) -> list[float]:
     """Seconds the drafters take to propose one step's tree, for each plan (a static `Tree` or a `DynamicTree`),
     after a prompt of `context` random tokens: the median of `steps` proposals after a warm-up step, without
-    gradients, as decoding proposes (with them, a 2-node tree's took 18.7 ms against 1.4 on the AVX2 EPYC: the
+    gradients, as decoding proposes (with them, a 2-node tree's took 18.7 ms against 0.78 on the AVX2 EPYC: the
     heads' float products, recorded for autograd)."""
     prompt = torch.randint(len(tokenizer), (1, context), generator=torch.Generator().manual_seed(0))
     seconds = []
