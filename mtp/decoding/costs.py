@@ -190,11 +190,18 @@ def within(candidate: Candidate, largest: int) -> Candidate:
     room = max(largest - candidate.size, 0)
     if candidate.reach <= room:
         return candidate
-    lookup = tuple(min(length, room) for length in candidate.lookup) if room else ()
+    lookup = cut_lookup(candidate.lookup, room)
     proposed = sum(i * share for i, share in enumerate(candidate.nodes))
     fitting = sum(min(i, room) * share for i, share in enumerate(candidate.nodes))
     kept = fitting / proposed if proposed else float(room > 0)
     return replace(candidate, lookup=lookup, from_lookup=candidate.from_lookup * kept)
+
+
+def cut_lookup(lookup: tuple[int, ...], room: int) -> tuple[int, ...]:
+    """Lookup lengths `lookup` proposing at most `room` tokens (those that fit beside a tree in the largest compiled
+    pass); () where none remain."""
+    lookup = tuple(min(length, room) for length in lookup)
+    return lookup if any(lookup) else ()
 
 
 def describe(plan: Plan) -> str:

@@ -30,7 +30,7 @@ from functools import partial
 import torch
 
 from mtp.decoding.compiled import compile_pass
-from mtp.decoding.costs import SIZES, machine_key, measure_steps, step_costs, timed, timed_sizes
+from mtp.decoding.costs import SIZES, cut_lookup, machine_key, measure_steps, step_costs, timed, timed_sizes
 from mtp.decoding.decoder import Decoder
 from mtp.decoding.lookup import FULL, MAX_NGRAM, Lookup
 from mtp.decoding.pacing import Plan
@@ -88,9 +88,12 @@ def expected_speedups(heads_path: str, device: str = "cpu", dtype: torch.dtype =
     heads, model, tokenizer = load_with_base(heads_path, device=device, dtype=dtype)
     paths, expected = grow_tree(heads.config.calibration, max_nodes)
     compiled = compile_pass(model, every_layer=bool(heads.config.feature_layers))  # the steps as `mtp.load` runs them
-    # beside a tree, the compiled pass verifies the lookup tokens that fit in its largest size, no more
-    # (`mtp.decoding.batch.Batch.propose`); None: every one (eager passes)
-    room = (lambda size: None) if compiled is None else (lambda size: max(compiled.buckets[-1] - size, 0))
+
+    def room(size: int) -> int | None:
+        """The lookup tokens that the compiled pass verifies beside a tree of `size` nodes, those that fit in its
+        largest size (`mtp.decoding.batch.Batch.propose`); None: every one (eager passes)."""
+        return None if compiled is None else max(compiled.buckets[-1] - size, 0)
+
     key = machine_key(model, heads, compiled, context)
     name = f"{key} | sizes {timed_sizes(paths, 1)}"
     timed_costs = measured("step_seconds.json", name, lambda: measure_steps(model, tokenizer, heads, paths, context,
@@ -122,7 +125,7 @@ def expected_speedups(heads_path: str, device: str = "cpu", dtype: torch.dtype =
         if room(size) is not None:  # simulated as cut: lookup's first tokens accept most, so the share of its
             # nodes that fit (`mtp.decoding.costs.within`) undervalues it (10 / 10 / 10 cut to 4 beside the 4-node
             # tree: 0.54 accepted a step expected, 0.85 simulated on the held-out answers)
-            settings |= {tuple(min(length, room(size)) for length in lengths) for lengths in settings}
+            settings |= {cut_lookup(lengths, room(size)) for lengths in settings}
         for lengths in sorted({lengths if any(lengths) else () for lengths in settings}):
             table["acceptance"].append(acceptance(roots, size, list(lengths), depth))
     table["dynamic"] = dynamic_trees(model, tokenizer, heads, paths, held_out, costs, context)
