@@ -23,15 +23,20 @@ def test_greedy_acceptance_counts_the_leading_right_nodes_not_all_right_ones():
     # the base model's prediction after each node: after the root 2 (node 2 right, nodes 1 and 3 wrong); after
     # node 1, 4 (node 4 right, but node 1 itself was wrong); after node 2, 0 (node 6 wrong)
     predictions = torch.tensor([2, 4, 0, 7, 7, 7, 0])
-    nodes, bonus = accept_greedy(tokens, predictions, TREE.retrieve)
-    assert nodes.tolist() == [0, 2] and bonus == 0  # not [0, 1, 4]: a wrong node ends its path
+    nodes, bonus = accept_greedy(tokens.tolist(), TREE.children, one_hot(predictions))
+    assert nodes == [0, 2] and bonus == 0  # not [0, 1, 4]: a wrong node ends its path
 
 
 def test_greedy_acceptance_takes_a_whole_right_path_and_the_prediction_after_it():
     tokens = torch.tensor([9, 1, 2, 3, 4, 5, 6])
     predictions = torch.tensor([1, 5, 6, 7, 7, 8, 7])  # root -> node 1 -> node 5 right; after node 5: 8
-    nodes, bonus = accept_greedy(tokens, predictions, TREE.retrieve)
-    assert nodes.tolist() == [0, 1, 5] and bonus == 8
+    nodes, bonus = accept_greedy(tokens.tolist(), TREE.children, one_hot(predictions))
+    assert nodes == [0, 1, 5] and bonus == 8
+
+
+def one_hot(predictions: torch.Tensor) -> torch.Tensor:
+    """Logits (N+1, 10) whose argmax after node i is predictions[i]."""
+    return torch.nn.functional.one_hot(predictions, 10).float()
 
 
 # --- exact acceptance: enumerate every outcome of the walk with its exact probability ---------------------------

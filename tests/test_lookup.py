@@ -54,6 +54,21 @@ def test_a_graft_follows_the_heads_nodes_its_tokens_repeat_and_adds_the_rest_as_
     assert alone.parents.tolist() == [-1, 0, 1] and alone_tokens.tolist() == [10, 11, 12]
 
 
+def test_a_tree_grafted_again_in_the_same_shape_is_reused_and_in_another_shape_built_anew():
+    tree = Tree.from_paths([(0,), (1,), (0, 0), (0, 1)])
+    tokens = torch.tensor([10, 20, 21, 30, 31])
+    first, _ = tree.graft(tokens, [20, 31, 40, 41], source=1)
+    again, again_tokens = tree.graft(torch.tensor([10, 22, 23, 32, 33]), [22, 33, 50, 51], source=1)
+    assert again is first and again_tokens.tolist() == [10, 22, 23, 32, 33, 50, 51]
+    shapes = [([21, 40, 41], 1), ([20, 31, 40], 1), ([20, 31, 40, 41], 2)]  # another node, length and source
+    for chain, source in shapes:
+        other, _ = tree.graft(tokens, chain, source)
+        assert other is not first
+    below_two, _ = tree.graft(tokens, [21, 40, 41], source=1)
+    assert below_two.parents.tolist() == [-1, 0, 0, 1, 1, 2, 5]
+    assert tree.graft(tokens, [20, 31, 40, 41], source=2)[0].sources.tolist()[5:] == [2, 2]
+
+
 class OracleLookup(Lookup):
     """Proposes the true continuation (right=True), or tokens that are never the next one (right=False)."""
 

@@ -2,9 +2,9 @@
 and typical (`accept_typical`) acceptance; `accept` picks the one the sampling settings name. `Acceptance` records
 what they accepted.
 
-Greedy acceptance keeps, of the tree's root-to-leaf paths, the one with the most leading candidates equal to the
-base model's own prediction at their parent, and adds that prediction after its last: the base model's greedy
-output, token for token.
+Greedy acceptance walks down from the root, accepting the child that holds the base model's own prediction at its
+parent, and adds the prediction after the last accepted node: the base model's greedy output, token for token
+(siblings hold distinct tokens, so at most one child is right).
 
 Exact acceptance (the default) keeps the base model's output distribution. At a tree node whose processed
 target distribution is p (the base model's next-token distribution after temperature, top-k and top-p), the
@@ -136,22 +136,31 @@ def accept_typical(tokens, paths, logits, sampling: Sampling, generator):
     return nodes, draw(sampling.probabilities(logits[nodes[-1]]).cpu(), generator)
 
 
-def accept_greedy(tokens: torch.Tensor, predictions: torch.Tensor, paths: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Along each root-to-leaf path, node d+1 is right iff its token is the base model's prediction at node d; the
-    path with the most leading right nodes wins, and the prediction after its last is the bonus."""
-    children = paths[:, 1:]  # (L, D)
-    right = (children >= 0) & (tokens[children.clamp(min=0)] == predictions[paths[:, :-1].clamp(min=0)])
-    accepted = right.int().cumprod(1).sum(1)  # (L,)
-    best = int(accepted.argmax())
-    nodes = paths[best, : int(accepted[best]) + 1]  # (A+1,)
-    return nodes, int(predictions[nodes[-1]])
+def accept_greedy(tokens: list[int], children: list[list[int]], logits: torch.Tensor) -> tuple[list[int], int]:
+    """The walk down from the root: the child of the last accepted node whose token is the base model's prediction
+    there (the argmax of its logits) is accepted next, until none is; that prediction is the bonus. Returns
+    (accepted nodes from the root, bonus). A node's prediction is taken only once the walk reaches it: a step
+    reads the logits of the accepted path alone (an argmax over the whole vocabulary costs as much per row as the
+    rest of the rule).
+
+    Args:
+        tokens: the tree's tokens (N+1,), as a list; children: children[i], node i's children.
+        logits: (N+1, V) the base model's next-token logits after each node.
+    """
+    nodes = [0]
+    while True:
+        prediction = int(logits[nodes[-1]].argmax())
+        right = [child for child in children[nodes[-1]] if tokens[child] == prediction]
+        if not right:
+            return nodes, prediction
+        nodes.append(right[0])
 
 
 def accept(tree: Tree, tokens: torch.Tensor, logits: torch.Tensor, sampling: Sampling, generator):
     """The accepted nodes (A+1,) of one row's tree holding `tokens` (N+1,), root first, and the bonus token, by
     the base model's `logits` (N+1, V) after each node: greedy, exact or typical acceptance (see above)."""
     if sampling.greedy:
-        return accept_greedy(tokens, logits.argmax(-1), tree.retrieve)
+        return accept_greedy(tokens.tolist(), tree.children, logits)
     if sampling.acceptance == "exact":
         return accept_exact(tokens.cpu(), tree.children, logits, sampling, generator)
     return accept_typical(tokens, tree.retrieve, logits, sampling, generator)

@@ -139,6 +139,9 @@ class CompiledPass:
                 layer.lazy_initialization(filled.keys, filled.values)
             if self._packages is not None:  # (a graph compiled by `torch.compile` takes them as inputs: not aliased)
                 self.cache.stacked = _stacked(self.cache.layers)
+                self.cache.lengths = torch.stack([layer.cumulative_length for layer in self.cache.layers])
+                for layer, view in zip(self.cache.layers, self.cache.lengths, strict=True):
+                    layer.cumulative_length = view
         for layer, filled in zip(self.cache.layers, cache.layers, strict=True):
             length = filled.keys.shape[2]
             layer.keys[:, :, :length] = filled.keys  # (1, G, T, D)
@@ -428,6 +431,9 @@ class _SeenCache(Cache):
     stacked: list[torch.Tensor] | None = None
     """Every layer's keys as views of one tensor, its values of another ((layers, 1, G, slots, D) each), so that a
     step's accepted nodes move in every layer at once (`mtp.decoding.cache.keep_accepted`); None: apart."""
+    lengths: torch.Tensor | None = None
+    """(layers,) every layer's filled length (its `cumulative_length` a view of it), set at once after a step (one
+    in-place op, not one per layer: 30 took 0.15 ms of a step of SmolLM2, the 2-core AVX2 EPYC); None: apart."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)

@@ -97,14 +97,22 @@ class Tree:
         rest = chain[i:]
         if not rest:
             return self, tokens
-        new = torch.arange(self.size, self.size + len(rest))  # (M,)
-        parents = torch.cat([self.parents.cpu(), torch.tensor([node]), new[:-1]])  # (N'+1,)
-        path = self.paths[node - 1] if node else ()
-        paths = self.paths + tuple(path + (-1,) * j for j in range(1, len(rest) + 1))
-        ranks = torch.cat([self.ranks.cpu(), torch.full((len(rest),), -1)])
-        sources = torch.cat([self.sources.cpu(), torch.full((len(rest),), source)])
-        grafted = Tree._build(paths, parents, ranks, sources).to(self.parents.device)
-        return grafted, torch.cat([tokens, torch.tensor(rest, device=tokens.device)])
+        shape = node, len(rest), source
+        if shape not in self._grafted:
+            new = torch.arange(self.size, self.size + len(rest))  # (M,)
+            parents = torch.cat([self.parents.cpu(), torch.tensor([node]), new[:-1]])  # (N'+1,)
+            path = self.paths[node - 1] if node else ()
+            paths = self.paths + tuple(path + (-1,) * j for j in range(1, len(rest) + 1))
+            ranks = torch.cat([self.ranks.cpu(), torch.full((len(rest),), -1)])
+            sources = torch.cat([self.sources.cpu(), torch.full((len(rest),), source)])
+            self._grafted[shape] = Tree._build(paths, parents, ranks, sources).to(self.parents.device)
+        return self._grafted[shape], torch.cat([tokens, torch.tensor(rest, device=tokens.device)])
+
+    @cached_property
+    def _grafted(self) -> dict[tuple[int, int, int], "Tree"]:
+        """The trees `graft` made of this one, by (the node the new nodes hang from, their number, their source):
+        the same static tree grafts the same few shapes step after step, each built once."""
+        return {}
 
     def head(self, size: int) -> "Tree":
         """The tree of its first `size` nodes (a node's parent comes before it); itself if it has no more."""
