@@ -5,7 +5,7 @@ import torch
 
 from mtp.base import load_tokenizer
 from mtp.decoding.decoder import Decoder
-from mtp.decoding.lookup import Lookup
+from mtp.decoding.lookup import FULL, Lookup
 from mtp.decoding.tree import Tree
 from mtp.drafters.contract import Drafter
 from tests.conftest import PROMPT, TINY_BASE, TREE, random_heads, reference, tiny_model
@@ -27,6 +27,26 @@ def test_the_longest_suffix_that_occurred_before_proposes_what_followed_its_late
     assert Lookup((2,)).propose(torch.tensor([4, 4, 4])) == [4]  # none with 10 after it: the latest
     assert Lookup((2,)).propose(torch.tensor([6, 1] + [5] * 10 + [1])) == [5, 5]  # "1" with 10 after it
     assert Lookup((2, 2)).propose(torch.tensor([7])) == [] and Lookup((2, 2)).match(torch.tensor([7, 8])) == (0, [])
+
+
+def test_the_match_is_the_longest_earlier_occurrence_on_random_texts():
+    """`Lookup.match` against its definition written out over lists, on texts of few distinct tokens (many matches)."""
+
+    def defined(ids: list[int], longest: int, reach: int) -> tuple[int, list[int]]:
+        for n in range(min(longest, len(ids) - 1), 0, -1):
+            after = [s + n for s in range(len(ids) - n) if ids[s : s + n] == ids[-n:]]  # earlier occurrences' ends
+            if after:
+                full = [a for a in after if a + FULL <= len(ids)]
+                begin = (full or after)[-1]
+                return n, ids[begin : begin + reach]
+        return 0, []
+
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        length = int(torch.randint(1, 40, (), generator=generator))
+        ids = torch.randint(0, 2 + trial % 5, (length,), generator=generator)
+        lookup = Lookup((7,) * (1 + trial % 4))
+        assert lookup.match(ids) == defined(ids.tolist(), len(lookup.lengths), 7), ids.tolist()
 
 
 def test_bad_lookup_settings_are_refused_with_what_they_need():
