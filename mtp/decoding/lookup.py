@@ -38,16 +38,10 @@ class Lookup:
         """(n, chain): the longest suffix of `ids` (1D), n <= len(lengths) tokens, that occurred before, and up to
         `reach` tokens that followed it there: at its latest occurrence followed by FULL tokens, else at its latest
         one (which of them does not depend on `lengths`). (0, []) if no suffix occurred before."""
-        # the earlier positions that end a match of n tokens, for n = 1, 2, ...: one scan for the last token, then
-        # each longer match among the shorter ones' ends, not a scan of the whole text per length
-        last = len(ids) - 1
-        ends = [(ids[:last] == ids[last]).nonzero()[:, 0]]  # (M,) ends of the 1-token matches
-        for n in range(2, min(len(self.lengths), last) + 1):
-            shorter = ends[-1][ends[-1] >= n - 1]
-            ends.append(shorter[ids[shorter - (n - 1)] == ids[last - (n - 1)]])
-        for n in range(len(ends), 0, -1):
-            if len(ends[n - 1]):
-                after = ends[n - 1] + 1  # (M,) where each occurrence's continuation begins
+        for n in range(min(len(self.lengths), len(ids) - 1), 0, -1):
+            starts = (ids.unfold(0, n, 1)[:-1] == ids[-n:]).all(1).nonzero()[:, 0]  # earlier windows equal to it
+            if len(starts):
+                after = starts + n  # (M,) where each occurrence's continuation begins
                 full = after[after + FULL <= len(ids)]
                 begin = int(full[-1] if len(full) else after[-1])
                 return n, ids[begin : begin + self.reach].tolist()
