@@ -13,7 +13,7 @@ $python train.py fit --config configs/smollm2-demo.yaml --trainer.enable_progres
 heads=$(ls -td runs/smollm2-demo/lightning_logs/version_*/heads | head -1)
 
 echo "== 2/3 Decoding with the shipped heads (heads/smollm2-135m-instruct), streamed as accepted"
-$python decode.py --prompt "Explain in three sentences why the sky is blue." --max-new-tokens 96 --stream --no-compile
+$python decode.py --prompt "Explain in three sentences why the sky is blue." --max-new-tokens 96 --stream
 
 echo "== 3/3 Tau and speed against the fastest plain decoder, one MT-Bench question per category, in one run"
 $python -m mtp.tools.bench --drafter heads/smollm2-135m-instruct --questions data/mt_bench.jsonl --limit 8 \
