@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 python=.venv/bin/python
 
-echo "== 1/3 Training 4 Hydra heads on data/demo_answers.jsonl (the longest part)"
+echo "== 1/3 Training 4 Hydra heads on data/demo_answers.jsonl"
 $python train.py fit --config configs/smollm2-demo.yaml --trainer.enable_progress_bar false "$@"
 heads=$(ls -td runs/smollm2-demo/lightning_logs/version_*/heads | head -1)
 
