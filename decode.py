@@ -94,7 +94,9 @@ def main() -> None:
                            compile=args.compile)  # fmt: skip
     else:
         model, tokenizer = load_base(args.base_model or DEFAULT_BASE, args.device, dtype)
-        decoder = Decoder(model, tokenizer, lookup=lookup_from(args), compiled=compile_pass(model, args.compile))
+        lookup = lookup_from(args)  # without it, plain decoding: passes over one node
+        compiled = compile_pass(model, args.compile, nodes=1 + (lookup.reach if lookup else 0))
+        decoder = Decoder(model, tokenizer, lookup=lookup, compiled=compiled)
     chat = decoder.tokenizer.chat_template is not None
     totals = [0, 0, 0.0]  # tokens, verification passes, seconds
     if args.batch_size > 1:

@@ -267,10 +267,10 @@ def test_buckets_are_checked():
 
 def test_the_compiled_pass_is_kept_on_disk_and_loaded_later_for_the_same_weights_only(model, tokenizer, monkeypatch,
                                                                                         tmp_path, capsys):  # fmt: skip
-    """On a CPU each node count's pass is an AOTInductor package in mtp's cache folder, made once: a later pass of
-    the same model (as in a later process) loads it without tracing or compiling, and says that it loads. The
-    weights are frozen into a package, so a model of the same shapes with other weights gets packages of its own,
-    and decodes on its own weights."""
+    """On a CPU the pass is an AOTInductor package in mtp's cache folder, made once: a later pass of the same model
+    (as in a later process) loads it without tracing or compiling, and says that it loads. The weights are frozen
+    into a package, so a model of the same shapes with other weights gets a package of its own, and decodes on its
+    own weights."""
     monkeypatch.setenv("MTP_CACHE", str(tmp_path))
     made, make = [], torch._inductor.aoti_compile_and_package
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", lambda *a, **k: made.append(1) or make(*a, **k))
@@ -288,6 +288,32 @@ def test_the_compiled_pass_is_kept_on_disk_and_loaded_later_for_the_same_weights
     prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
     decoder = Decoder(other, tokenizer, random_heads(other, num_heads=3), Tree.from_paths([(0,)]), compiled=second)
     assert decoder.generate(PROMPT, max_new_tokens=20).token_ids == reference(other, prompt, 20)
+
+
+def test_every_bucket_runs_one_package_and_plain_decoding_compiles_one_node(model, tokenizer, monkeypatch, tmp_path):
+    """The node count is a dimension of one package's inputs: buckets 1, 4 and 8 compile one package (so the
+    weights it freezes are held once) whose passes over 1 to 8 nodes give the eager logits; `compile_pass` for a
+    decoder of at most one node a pass (plain decoding) compiles bucket 1 alone, and for 3 nodes buckets 1 and 4."""
+    monkeypatch.setenv("MTP_CACHE", str(tmp_path))
+    made, make = [], torch._inductor.aoti_compile_and_package
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", lambda *a, **k: made.append(1) or make(*a, **k))
+    compiled = CompiledPass(Target(model), buckets=(1, 4, 8), length=64, templates=False)
+    compiled.warm_up()
+    assert len(made) == 1 and [p.name[25:] for p in (tmp_path / "passes").glob("*.pt2")] == ["1-4-8.pt2"]
+    prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
+    for size in (1, 3, 4, 6, 8):
+        tokens = torch.randint(0, 512, (1, size), generator=torch.Generator().manual_seed(size))
+        with torch.no_grad():
+            compiled.load(prefilled(model, prompt))
+            positions, slots = prompt.shape[1] + torch.arange(size)[None], torch.arange(prompt.shape[1])[None]
+            ours = compiled.run(tokens, positions, torch.ones(1, size, size, dtype=torch.bool).tril(), slots)
+            causal = model(input_ids=torch.cat([prompt, tokens], 1)).logits[:, prompt.shape[1] :]
+        torch.testing.assert_close(ours.logits, causal, atol=1e-5, rtol=1e-4)
+    monkeypatch.setattr(compiled_module, "CompiledPass", lambda target, every_layer, buckets: types.SimpleNamespace(
+        buckets=buckets, warm_up=lambda: None))  # fmt: skip
+    assert compile_pass(model, True, nodes=1).buckets == (1,)
+    assert compile_pass(model, True, nodes=3).buckets == (1, 4)
+    assert compile_pass(model, True, nodes=11).buckets == (1, 4, 8)
 
 
 def test_the_vector_instructions_checked_once_on_a_machine_are_trusted_while_the_cpu_reports_the_same(

@@ -17,15 +17,17 @@ a dynamic one and passes run eagerly from there on (`mtp.decoding.batch`); a pas
 bucket runs eagerly over the static cache. The compiled pass computes the same function as the eager one: float32
 logits agree to rounding (tests/test_compiled.py), so greedy output is plain greedy output.
 
-On a CPU each bucket's pass is exported (`torch.export`) and compiled ahead of time into an AOTInductor package,
-with the static cache's tensors as inputs that it writes in place and the weights frozen into it, and kept under
-mtp's cache folder (`passes/`), keyed by the machine, torch, transformers, the model's configuration and its
-weights: the first load on a machine compiles (about 55 s a node count for SmolLM2 on the 2-core Zen 4 EPYC), a
-later process loads the packages (2.4 s in all, against 49-61 s when it traced and froze the model again through
-`torch.compile`), and a model of the same shapes with other weights gets packages of its own. A package runs no
-Python and checks no guards between kernels: a one-node pass of SmolLM2 took 20.6 ms there, against 24.8 ms
-through `torch.compile` (`benchmarks/compiled_steps.py`). The linears stay matrix products of the frozen weights
-(`_unpacked_linears`) and the CPU's vector instructions are checked once per machine (`_vector_isa`).
+On a CPU the pass is exported (`torch.export`) once for all buckets, the node count a dimension of its inputs, and
+compiled ahead of time into one AOTInductor package, with the static cache's tensors as inputs that it writes in
+place and the weights frozen into it (packed once for its products: a package per node count held them once each,
+and `decode.py` peaked at 5.1 GB of RSS for SmolLM2's 540 MB, against 2.5 GB with one package, while the steps cost
+the same: `benchmarks/compiled_steps.py`). It is kept under mtp's cache folder (`passes/`), keyed by the machine,
+torch, transformers, the model's configuration and its weights, the buckets: the first load on a machine compiles
+(about 2 minutes for SmolLM2's buckets 1, 4 and 8 on the 2-core AVX2 EPYC), a later process loads it in seconds, and
+a model of the same shapes with other weights gets a package of its own. A decoder compiles the buckets it can use
+(plain decoding: bucket 1 alone, `compile_pass`). A package runs no Python and checks no guards between kernels. The
+linears stay matrix products of the frozen weights (`_unpacked_linears`) and the CPU's vector instructions are
+checked once per machine (`_vector_isa`).
 """
 
 import dataclasses
@@ -56,8 +58,8 @@ BUCKETS = (1, 4, 8)  # node counts compiled, a tree padded up to the next (each 
 # compiled ran no faster than eagerly on the Zen 4 EPYC: docs/reference-runs.md#compiled-passes)
 LENGTH = 1024  # cache slots: prompt, answer and one pass's nodes must fit
 INDUCTOR_DIR = "TORCHINDUCTOR_CACHE_DIR"
-PACKAGES = 5  # the version of a packaged pass's code, in its key: raised when a change alters what a package computes
-# or how fast (4: the micro-kernel's prefetch; 5: 8 rows at once on AVX2, `_eight_rows_at_once`)
+PACKAGES = 6  # the version of a packaged pass's code, in its key: raised when a change alters what a package computes
+# or how fast
 
 
 class CompiledPass:
@@ -107,9 +109,10 @@ class CompiledPass:
         # a class of its own: the one guard kept on the module is its type, which finds this pass's graphs (its
         # frozen weights, its cache), not those of another pass compiled in the process
         self._forward = type("_Pass", (_Pass,), {})(target, self.cache, every_layer)
-        self._packages = {} if target.device.type == "cpu" else None  # node count -> its package, loaded (CPU)
+        self._packaged = target.device.type == "cpu"  # one AOTInductor package for every bucket (CPU)
+        self._package_loaded = None
         self._compiled = None
-        if self._packages is None:
+        if not self._packaged:
             torch._dynamo.config.recompile_limit += 2 * len(buckets) + 2  # graphs of every pass made in the process
             self._compiled = torch.compile(self._forward, dynamic=False, options={"guard_filter_fn": _guards})
 
@@ -137,7 +140,7 @@ class CompiledPass:
         if not self.cache.layers[0].is_initialized:  # first use: the layers' tensors, of this model's shapes
             for layer, filled in zip(self.cache.layers, cache.layers, strict=True):
                 layer.lazy_initialization(filled.keys, filled.values)
-            if self._packages is not None:  # (a graph compiled by `torch.compile` takes them as inputs: not aliased)
+            if self._packaged:  # (a graph compiled by `torch.compile` takes them as inputs: not aliased)
                 self.cache.stacked = _stacked(self.cache.layers)
                 self.cache.lengths = torch.stack([layer.cumulative_length for layer in self.cache.layers])
                 for layer, view in zip(self.cache.layers, self.cache.lengths, strict=True):
@@ -171,9 +174,9 @@ class CompiledPass:
         mask = tree_attention_mask(tree_mask, positions, slots, self.target.windows, self.target.dtype)
         if mask is None:  # one node after filled slots, no window: eagerly the model's own path, here a mask
             mask = torch.zeros(1, 1, size, filled + size, dtype=self.target.dtype, device=tokens.device)
-        if bucket and self._packages is not None:
+        if bucket and self._packaged:
             inputs = (tokens, positions, mask, *self._state())
-            hidden, logits, states = self._package(bucket, inputs)(*inputs)
+            hidden, logits, states = self._package(inputs)(*inputs)
         else:
             for each in mask.values() if isinstance(mask, dict) else [mask]:  # (1, 1, S, T+S): one graph for every
                 torch._dynamo.mark_dynamic(each, 3, min=2, max=self.length - 1)  # T (attention reads T+S slots)
@@ -186,7 +189,8 @@ class CompiledPass:
 
     @torch.no_grad()
     def warm_up(self) -> None:
-        """Compile every bucket now, on a cache of a few dummy tokens, saying in one line what it took."""
+        """Compile the pass now (traced over the largest bucket) and run every bucket once, on a cache of a few dummy
+        tokens, saying in one line what it took."""
         start = time.perf_counter()
         context = 8
         prefill = DynamicCache()
@@ -194,15 +198,15 @@ class CompiledPass:
         # (with the layers' states: transformers hooks them now, not traced)
         self.target.run(self.every_layer, input_ids=tokens, cache=prefill)
         counts, folder = ", ".join(map(str, self.buckets)), cache_dir() / "passes"
-        if self._packages is not None and all(self._package_path(size).is_file() for size in self.buckets):
+        if self._packaged and self._package_path().is_file():
             said = f"loading the verification pass compiled for {counts} nodes (from {folder})"
         else:
-            kept = folder if self._packages is not None else os.environ[INDUCTOR_DIR]
+            kept = folder if self._packaged else os.environ[INDUCTOR_DIR]
             said = f"compiling the verification pass for {counts} nodes on {self.target.device.type} (kept in {kept} " \
                    "for later processes)"  # fmt: skip
         print(f"mtp: {said}", end="", file=sys.stderr, flush=True)
         slots = torch.arange(context, device=self.target.device)[None]
-        for size in self.buckets:
+        for size in reversed(self.buckets):  # the largest first: the package is traced over it
             self.load(prefill)
             step = time.perf_counter()
             nodes = torch.zeros(1, size, dtype=torch.long, device=self.target.device)
@@ -224,38 +228,49 @@ class CompiledPass:
         """The static cache's tensors, as a package takes them: each layer's keys, values and filled length."""
         return [t for layer in self.cache.layers for t in (layer.keys, layer.values, layer.cumulative_length)]
 
-    def _package(self, size: int, inputs: tuple):
-        """The pass over `size` nodes as an AOTInductor package, loaded: from mtp's cache folder if a process made
-        it before for this model (its weights included), else exported from `inputs` (a pass's tokens, positions,
-        mask and `_state()`), compiled now and kept there."""
-        if size in self._packages:
-            return self._packages[size]
-        path = self._package_path(size)
+    def _package(self, inputs: tuple):
+        """The pass as one AOTInductor package for every bucket (the node count a dimension of its inputs), loaded:
+        from mtp's cache folder if a process made it before for this model (its weights included), else exported
+        from `inputs` (a pass's tokens, positions, mask and `_state()`), compiled now and kept there. One package
+        holds the model's weights once, packed for its products, whatever the number of buckets."""
+        if self._package_loaded is not None:
+            return self._package_loaded
+        path = self._package_path()
         if not path.is_file():
-            mask = inputs[2]
-            seen = torch.export.Dim("seen", min=size + 1, max=self.length - 1)  # every filled length: one package
-            shapes = {name: {3: seen} for name in mask} if isinstance(mask, dict) else {3: seen}
+            tokens, mask = inputs[0], inputs[2]
+            low, high = self.buckets[0], self.buckets[-1]
+            nodes = torch.export.Dim("nodes", min=low, max=high) if high > low else None
+            seen = torch.export.Dim("seen", min=low + 1, max=self.length - 1)  # every filled length
+            per_mask = {2: nodes, 3: seen} if nodes is not None else {3: seen}
+            shapes = {name: per_mask for name in mask} if isinstance(mask, dict) else per_mask
+            rows = {1: nodes} if nodes is not None else None
+            if tokens.shape[1] != high:  # traced at the largest bucket: its products' blocks chosen for most rows
+                raise ValueError(f"the package is exported from a pass over {high} nodes, not {tokens.shape[1]}")
             with self._tracing():
                 inputs = (*inputs[:3], *(t.clone() for t in inputs[3:]))  # traced apart: no views of one tensor
-                exported = torch.export.export(_CacheInputs(self._forward, self.cache), inputs, strict=False,
-                                               dynamic_shapes=(None, None, shapes, (None,) * (len(inputs) - 3)))
+                exported = torch.export.export(
+                    _CacheInputs(self._forward, self.cache),
+                    inputs,
+                    strict=False,
+                    dynamic_shapes=(rows, rows, shapes, (None,) * (len(inputs) - 3)),
+                )
                 path.parent.mkdir(parents=True, exist_ok=True)
                 with tempfile.TemporaryDirectory(dir=path.parent) as staging:  # removed whatever happens
                     made = _compile(exported, f"{staging}/{path.name}", self.settings)
                     os.replace(made, path)  # written aside, then renamed: never half a package
-        self._packages[size] = torch._inductor.aoti_load_package(str(path))
-        return self._packages[size]
+        self._package_loaded = torch._inductor.aoti_load_package(str(path))
+        return self._package_loaded
 
-    def _package_path(self, size: int) -> Path:
-        """Where the package of the pass over `size` nodes is kept: keyed by the machine, torch and transformers,
-        the model's configuration and weights (frozen into the package), the cache's length and what the pass
+    def _package_path(self) -> Path:
+        """Where the package of the pass is kept: keyed by the machine, torch and transformers, the model's
+        configuration and weights (frozen into the package), the cache's length, the buckets and what the pass
         gives."""
         key = hashlib.sha256()
         parts = [device_name(self.target.device), torch.__version__, transformers.__version__, self.target.dtype,
                  self.target.backbone.config.to_json_string(), self.length, self.every_layer,
-                 sorted(self.settings.items()), PACKAGES, size]  # fmt: skip
+                 sorted(self.settings.items()), PACKAGES, self.buckets]  # fmt: skip
         key.update(repr(parts).encode() + self._weights)
-        return cache_dir() / "passes" / f"{key.hexdigest()[:24]}-{size}.pt2"
+        return cache_dir() / "passes" / f"{key.hexdigest()[:24]}-{'-'.join(map(str, self.buckets))}.pt2"
 
     @cached_property
     def _weights(self) -> bytes:
@@ -493,15 +508,18 @@ class _CacheInputs(torch.nn.Module):
                 layer.keys, layer.values, layer.cumulative_length = tensors
 
 
-def compile_pass(base_model, compile: bool | None = None, every_layer: bool = False) -> CompiledPass | None:
+def compile_pass(base_model, compile: bool | None = None, every_layer: bool = False,
+                 nodes: int = BUCKETS[-1]) -> CompiledPass | None:  # fmt: skip
     """`base_model`'s verification pass (with every layer's hidden states if `every_layer`) compiled and warmed up if
-    `compile` (None: unless the environment sets MTP_COMPILE=0); None if not, or if compiling fails (then said in
+    `compile` (None: unless the environment sets MTP_COMPILE=0), for the buckets a decoder that verifies at most
+    `nodes` nodes a pass can use (plain decoding: 1, one bucket); None if not, or if compiling fails (then said in
     one line: decoding steps run eagerly)."""
     if compile is None:
         compile = os.environ.get("MTP_COMPILE", "1") != "0"
     if not compile:
         return None
-    compiled = CompiledPass(Target(base_model), every_layer)
+    buckets = tuple(size for size in BUCKETS if size < nodes) + tuple(size for size in BUCKETS if size >= nodes)[:1]
+    compiled = CompiledPass(Target(base_model), every_layer, buckets)
     try:
         compiled.warm_up()
     except Exception as error:  # a model or device that inductor cannot compile: eager steps, as before
