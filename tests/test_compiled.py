@@ -12,12 +12,15 @@ from unittest import mock
 import pytest
 import torch
 from conftest import PROMPT, SLIDING, TINY_BASE, TREE, OracleHeads, random_heads, reference, tiny_model
+from safetensors.torch import load_file
+from torch import nn
 from torch._dynamo.utils import counters
 from torch._inductor.cpu_vec_isa import pick_vec_isa
 from transformers import DynamicCache
 
 import mtp.decoding.compiled as compiled_module
 from mtp.base import load_tokenizer
+from mtp.decoding import constants
 from mtp.decoding.cache import tree_attention_mask
 from mtp.decoding.compiled import CompiledPass, compile_pass
 from mtp.decoding.decoder import Decoder, GenerationResult
@@ -98,6 +101,30 @@ def test_the_cpp_gemm_templates_a_cpu_compiles_by_default_give_the_eager_logits(
         theirs = compiled.target.run(False, input_ids=tokens, position_ids=positions, attention_mask=mask,
                                      cache=prefilled(model, prompt))  # fmt: skip
     torch.testing.assert_close(ours.logits, compiled.target.logits(theirs.last), atol=1e-5, rtol=1e-4)
+    # the package holds no weights: each constant it reads is one of the model's tensors (or its transpose) in place,
+    # or a linear layer's weight in the template's blocks, made at load; every linear weight is read so
+    recipes = json.loads(compiled._package_path().with_suffix(".json").read_text())
+    assert load_file(str(compiled._package_path().with_suffix(".safetensors"))) == {}
+    tensors, read = compiled._tensors, set()
+    for constant, (name, form, _) in recipes.items():
+        value, tensor = compiled._constants[constant], tensors[name]
+        if form == "blocked":
+            assert torch.equal(value.transpose(1, 2).reshape(-1, tensor.shape[1])[: tensor.shape[0]], tensor)
+            read.add(name)
+        else:
+            assert value.data_ptr() == tensor.data_ptr()
+            assert value.shape == (tensor.t() if form == "t" else tensor).shape
+    linears = {f"{name}.weight" for name, module in compiled._forward.named_modules() if isinstance(module, nn.Linear)}
+    assert read == linears
+
+
+def test_a_constant_the_package_reports_and_was_not_recorded_is_refused():
+    """AOTInductor's loader only warns of a constant left out (a pass would then read nothing): mtp refuses it, and
+    the load falls back to eager steps (`compile_pass`). A reported name shared by several constants is their base."""
+    one = torch.ones(1)
+    constants.check(["a.b", "constant3"], {"a_b": one, "constant3": one, "constant3_0": one})
+    with pytest.raises(RuntimeError, match=r"the package's constants \['constant4'\] were not recorded"):
+        constants.check(["a.b", "constant4"], {"a_b": one, "constant3": one})
 
 
 def test_the_templates_float_micro_kernel_is_mtps_on_the_torch_it_installs():

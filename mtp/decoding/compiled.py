@@ -49,6 +49,7 @@ from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, StaticLayer
 
+from mtp.decoding import constants
 from mtp.decoding.cache import grouped_keys, tree_attention_mask
 from mtp.decoding.target import States, Target
 from mtp.linears import usual_linears
@@ -58,7 +59,7 @@ BUCKETS = (1, 4, 8)  # node counts compiled, a tree padded up to the next (each 
 # compiled ran no faster than eagerly on the Zen 4 EPYC: docs/reference-runs.md#compiled-passes)
 LENGTH = 1024  # cache slots: prompt, answer and one pass's nodes must fit
 INDUCTOR_DIR = "TORCHINDUCTOR_CACHE_DIR"
-PACKAGES = 6  # the version of a packaged pass's code, in its key: raised when a change alters what a package computes
+PACKAGES = 7  # the version of a packaged pass's code, in its key: raised when a change alters what a package computes
 # or how fast
 
 
@@ -97,7 +98,7 @@ class CompiledPass:
         else:
             self.settings |= {"max_autotune": templates, "max_autotune_gemm_backends": "CPP",
                               "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False,
-                              "fx_graph_cache": False}
+                              "fx_graph_cache": False, "aot_inductor.package_constants_in_so": False}
             # (no table nor line per product on stderr; no graph from inductor's cache, whose key holds no template
             # text: it could give back kernels made before `_accumulators_in_registers`)
             self.settings |= _vector_isa()
@@ -230,9 +231,9 @@ class CompiledPass:
 
     def _package(self, inputs: tuple):
         """The pass as one AOTInductor package for every bucket (the node count a dimension of its inputs), loaded:
-        from mtp's cache folder if a process made it before for this model (its weights included), else exported
-        from `inputs` (a pass's tokens, positions, mask and `_state()`), compiled now and kept there. One package
-        holds the model's weights once, packed for its products, whatever the number of buckets."""
+        from mtp's cache folder if a process made it before for this model, else exported from `inputs` (a pass's
+        tokens, positions, mask and `_state()`), compiled now and kept there; its constants the model's own tensors
+        (`mtp.decoding.constants`)."""
         if self._package_loaded is not None:
             return self._package_loaded
         path = self._package_path()
@@ -255,15 +256,25 @@ class CompiledPass:
                     dynamic_shapes=(rows, rows, shapes, (None,) * (len(inputs) - 3)),
                 )
                 path.parent.mkdir(parents=True, exist_ok=True)
-                with tempfile.TemporaryDirectory(dir=path.parent) as staging:  # removed whatever happens
-                    made = _compile(exported, f"{staging}/{path.name}", self.settings)
-                    os.replace(made, path)  # written aside, then renamed: never half a package
-        self._package_loaded = torch._inductor.aoti_load_package(str(path))
-        return self._package_loaded
+                with tempfile.TemporaryDirectory(dir=path.parent) as staging, constants.recorded() as made:
+                    package = _compile(exported, f"{staging}/{path.name}", self.settings)
+                    constants.save(path, *constants.recipes_for(made, self._tensors))
+                    os.replace(package, path)  # written aside, then renamed: never half a package
+        package = torch._inductor.aoti_load_package(str(path))
+        self._constants = constants.supply(path, self._tensors)  # kept alive: the package reads them in place
+        constants.check(package.get_constant_fqns(), self._constants)
+        package.loader.update_constant_buffer(self._constants, False, True, True)  # (all of them, user-managed)
+        self._package_loaded = package
+        return package
+
+    @property
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        """The model's parameters and buffers that the pass reads, by name."""
+        return dict(self._forward.named_parameters()) | dict(self._forward.named_buffers())
 
     def _package_path(self) -> Path:
         """Where the package of the pass is kept: keyed by the machine, torch and transformers, the model's
-        configuration and weights (frozen into the package), the cache's length, the buckets and what the pass
+        configuration and weights, the cache's length, the buckets and what the pass
         gives."""
         key = hashlib.sha256()
         parts = [device_name(self.target.device), torch.__version__, transformers.__version__, self.target.dtype,
