@@ -19,15 +19,16 @@ logits agree to rounding (tests/test_compiled.py), so greedy output is plain gre
 
 On a CPU the pass is exported (`torch.export`) once for all buckets, the node count a dimension of its inputs, and
 compiled ahead of time into one AOTInductor package, with the static cache's tensors as inputs that it writes in
-place and the weights frozen into it (packed once for its products: a package per node count held them once each,
-and `decode.py` peaked at 5.1 GB of RSS for SmolLM2's 540 MB, against 2.5 GB with one package, while the steps cost
-the same: `benchmarks/compiled_steps.py`). It is kept under mtp's cache folder (`passes/`), keyed by the machine,
-torch, transformers, the model's configuration and its weights, the buckets: the first load on a machine compiles
-(about 2 minutes for SmolLM2's buckets 1, 4 and 8 on the 2-core AVX2 EPYC), a later process loads it in seconds, and
-a model of the same shapes with other weights gets a package of its own. A decoder compiles the buckets it can use
-(plain decoding: bucket 1 alone, `compile_pass`). A package runs no Python and checks no guards between kernels. The
-linears stay matrix products of the frozen weights (`_unpacked_linears`) and the CPU's vector instructions are
-checked once per machine (`_vector_isa`).
+place. The weights are frozen while it compiles (so that inductor packs each linear weight into its template's
+blocks) but not kept in it: the package's constants are the model's own tensors, given to it at load
+(`mtp.decoding.constants`), so a process holds the weights as the model does plus the linear weights once in blocks
+(SmolLM2's `decode.py` peaked at 1.8 GB resident after loading it; with a package per node count, each with its own
+copy, 5.1 GB). It is kept under mtp's cache folder (`passes/`, about 4 MB for SmolLM2), keyed by the machine, torch,
+transformers, the model's configuration and its weights, the buckets: the first load on a machine compiles (under 2
+minutes for SmolLM2's buckets 1, 4 and 8 on the 2-core AVX2 EPYC), a later process loads it in seconds. A decoder
+compiles the buckets it can use (plain decoding: bucket 1 alone, `compile_pass`). A package runs no Python and
+checks no guards between kernels. The linears stay matrix products of the frozen weights (`_unpacked_linears`) and
+the CPU's vector instructions are checked once per machine (`_vector_isa`).
 """
 
 import dataclasses
@@ -259,9 +260,13 @@ class CompiledPass:
                 with tempfile.TemporaryDirectory(dir=path.parent) as staging, constants.recorded() as made:
                     package = _compile(exported, f"{staging}/{path.name}", self.settings)
                     constants.save(path, *constants.recipes_for(made, self._tensors))
+                    made.clear()
                     os.replace(package, path)  # written aside, then renamed: never half a package
+            del exported
+            constants.free_memory()  # what compiling took
         package = torch._inductor.aoti_load_package(str(path))
         self._constants = constants.supply(path, self._tensors)  # kept alive: the package reads them in place
+        constants.free_memory()  # what blocking the weights took
         constants.check(package.get_constant_fqns(), self._constants)
         package.loader.update_constant_buffer(self._constants, False, True, True)  # (all of them, user-managed)
         self._package_loaded = package
