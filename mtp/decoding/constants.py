@@ -3,7 +3,7 @@
 AOTInductor would freeze the pass's constants into its package: every weight, and each linear layer's weight again
 in the blocks of the C++ GEMM template that multiplies by it. Its loader copies them out of the package's library
 into memory of their own, so a process held the model's weights and the package's (SmolLM2's 540 MB: 2.5 GB resident
-after loading its package, 1.0 GB decoding eagerly). Here the package is compiled without its constants; while it
+after loading its package, 1.2 GB decoding eagerly). Here the package is compiled without its constants; while it
 compiles, each constant it makes is recorded and described in terms of the model's tensors (`recipes_for`): the tensor
 itself, its transpose, or its rows in blocks of `bn` ((N/bn, K, bn): the template's layout). A load gives the package
 the model's own tensors, and the blocked linear weights made once (`supply`), as constants that it uses in place.
@@ -14,6 +14,7 @@ import ctypes
 import json
 import mmap
 import re
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,15 +22,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from torch._inductor.graph import GraphLowering
-
-FORMS = ("same", "t", "blocked")  # a constant as the model's tensor itself, its transpose, its rows in blocks
 
 
 @contextmanager
 def recorded() -> Iterator[dict[str, torch.Tensor]]:
     """Inside this block, every constant that inductor allocates for an ahead-of-time graph, by the name the package
     gives it (its loader keys constants by these names: names it reports can be shared by several constants)."""
+    from torch._inductor.graph import GraphLowering  # (inductor's internals, reached only when compiling)
+
     made, allocate = {}, GraphLowering.allocate_non_dup_const_name
 
     def recording(graph, name, data):
@@ -57,7 +57,8 @@ def blocked(weight: torch.Tensor, bn: int, out: torch.Tensor | None = None) -> t
 
 
 def _form(data: torch.Tensor, tensor: torch.Tensor) -> str | None:
-    """Which of FORMS `data` is of `tensor`, if any (a look at one row first, then every value)."""
+    """What `data` is of `tensor`, if anything: "same" (the tensor itself), "t" (its transpose) or "blocked" (its rows
+    in the template's blocks); a look at one row first, then every value."""
     if data.dtype != tensor.dtype:
         return None
     if data.shape == tensor.shape and torch.equal(data, tensor):
@@ -74,8 +75,8 @@ def _form(data: torch.Tensor, tensor: torch.Tensor) -> str | None:
 
 
 def recipes_for(made: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> tuple[dict, dict]:
-    """(recipes, rest): each constant in `made` as [name of one of `tensors`, form, columns a block] where it is one
-    of FORMS of it; the others' values, apart."""
+    """(recipes, rest): each constant in `made` as [name of one of `tensors`, what it is of that tensor (`_form`),
+    columns a block] where it is one; the others' values, apart."""
     recipes, rest = {}, {}
     with torch.no_grad():
         for constant, data in made.items():
@@ -126,8 +127,7 @@ def free_memory() -> None:
     """Give the memory the process freed back to the system, where the C library is glibc: after compiling a pass and
     blocking its weights, glibc kept what they freed (its threshold for memory of their own grows as large blocks
     are freed), and a 360M-parameter model's process held 1.2 GB more than it used."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
-    if trim is not None:
+    if sys.platform.startswith("linux") and (trim := getattr(ctypes.CDLL(None), "malloc_trim", None)) is not None:
         trim(0)
 
 
