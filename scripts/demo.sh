@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole loop (17 minutes from a fresh clone on a 2-core AMD EPYC, set-up and the first compile included):
+# The whole loop (16 minutes from a fresh clone on a 2-core AMD EPYC, set-up and the first compile included):
 # set up (or reuse) the environment; train Hydra heads briefly on the packaged SmolLM2's own answers (configs/smollm2-demo.yaml; extra arguments go
 # to train.py); decode one prompt with the shipped heads, streaming; then time them against the fastest plain
 # decoder on one MT-Bench question per category, each decoder twice per question (its faster time kept).
