@@ -534,7 +534,7 @@ def compile_pass(base_model, compile: bool | None = None, every_layer: bool = Fa
         compile = os.environ.get("MTP_COMPILE", "1") != "0"
     if not compile:
         return None
-    buckets = tuple(size for size in BUCKETS if size < nodes) + tuple(size for size in BUCKETS if size >= nodes)[:1]
+    buckets = BUCKETS[: sum(size < nodes for size in BUCKETS) + 1]  # up to the first that holds `nodes`
     compiled = CompiledPass(Target(base_model), every_layer, buckets)
     try:
         compiled.warm_up()

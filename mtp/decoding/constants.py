@@ -84,7 +84,7 @@ def recipes_for(made: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor])
             if found:
                 recipes[constant] = [*found, data.shape[-1] if found[1] == "blocked" else 0]
             else:
-                rest[constant] = data.detach().contiguous().clone()
+                rest[constant] = data.detach().clone(memory_format=torch.contiguous_format)
     return recipes, rest
 
 
