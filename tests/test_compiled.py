@@ -28,6 +28,7 @@ from mtp.decoding.lookup import Lookup
 from mtp.decoding.target import Target
 from mtp.decoding.tree import Tree
 from mtp.machine import device_name
+from mtp.quantized import quantize
 
 SMALL = Tree.from_paths([(0,), (1,), (0, 0)])  # 4 nodes: bucket 4; TREE (10 nodes) is past the largest bucket
 
@@ -55,6 +56,22 @@ def prefilled(model, prompt: torch.Tensor) -> DynamicCache:
     with torch.no_grad():
         model.get_decoder()(input_ids=prompt, cache=cache, use_cache=True)
     return cache
+
+
+FORK = (torch.tensor([[5, 9, 7]]), torch.tensor([[0, 1, 1]]), torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]]).bool())
+"""Three nodes after a prompt: tokens, positions past it, the tree's mask (a node and its two children)."""
+
+
+def assert_the_eager_logits(compiled, model, prompt: torch.Tensor, tokens, positions, tree_mask) -> None:
+    """The compiled pass over `tokens` after `prompt` gives the eager pass's logits."""
+    positions, slots = prompt.shape[1] + positions, torch.arange(prompt.shape[1])[None]
+    with torch.no_grad():
+        compiled.load(prefilled(model, prompt))
+        ours = compiled.run(tokens, positions, tree_mask, slots)
+        mask = tree_attention_mask(tree_mask, positions, slots, compiled.target.windows, compiled.target.dtype)
+        theirs = compiled.target.run(False, input_ids=tokens, position_ids=positions, attention_mask=mask,
+                                     cache=prefilled(model, prompt))  # fmt: skip
+    torch.testing.assert_close(ours.logits, compiled.target.logits(theirs.last), atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("tree", [Tree.from_paths([]), Tree.from_paths([(0,), (1,)]), SMALL, TREE])
@@ -90,17 +107,7 @@ def test_the_cpp_gemm_templates_a_cpu_compiles_by_default_give_the_eager_logits(
     monkeypatch.setenv("MTP_CACHE", str(tmp_path))  # compiled here (a package's key holds no attention's kind)
     model = tiny_model(seed=2, attn_implementation=attention)
     compiled = CompiledPass(Target(model), buckets=(bucket,), length=64)
-    prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
-    tokens, positions = torch.tensor([[5, 9, 7]]), prompt.shape[1] + torch.tensor([[0, 1, 1]])
-    tree_mask = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool)
-    slots = torch.arange(prompt.shape[1])[None]
-    with torch.no_grad():
-        compiled.load(prefilled(model, prompt))
-        ours = compiled.run(tokens, positions, tree_mask, slots)
-        mask = tree_attention_mask(tree_mask, positions, slots, compiled.target.windows, compiled.target.dtype)
-        theirs = compiled.target.run(False, input_ids=tokens, position_ids=positions, attention_mask=mask,
-                                     cache=prefilled(model, prompt))  # fmt: skip
-    torch.testing.assert_close(ours.logits, compiled.target.logits(theirs.last), atol=1e-5, rtol=1e-4)
+    assert_the_eager_logits(compiled, model, tokenizer(PROMPT, return_tensors="pt").input_ids, *FORK)
     # the package holds no weights: each constant it reads is one of the model's tensors (or its transpose) in place,
     # or a linear layer's weight in the template's blocks, made at load; every linear weight is read so
     recipes = json.loads(compiled._package_path().with_suffix(".json").read_text())
@@ -116,6 +123,31 @@ def test_the_cpp_gemm_templates_a_cpu_compiles_by_default_give_the_eager_logits(
             assert value.shape == (tensor.t() if form == "t" else tensor).shape
     linears = {f"{name}.weight" for name, module in compiled._forward.named_modules() if isinstance(module, nn.Linear)}
     assert read == linears
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_a_quantized_base_compiles_to_its_eager_logits_and_reads_its_blocks_in_place(weights, tokenizer, monkeypatch,
+                                                                                    tmp_path):  # fmt: skip
+    """A base whose linear layers keep their weights in blocks (mtp.quantized): the compiled pass calls the block
+    kernel, its logits are the eager pass's over 1 and 3 nodes, its constants the model's own block tensors, and
+    greedy decoding on it is its plain greedy decoding."""
+    monkeypatch.setenv("MTP_CACHE", str(tmp_path))
+    model = quantize(tiny_model(seed=3), weights)
+    compiled = CompiledPass(Target(model), buckets=(1, 4), length=64)
+    compiled.warm_up()
+    prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
+    one = (torch.tensor([[5]]), torch.tensor([[0]]), torch.ones(1, 1, 1, dtype=torch.bool))
+    assert_the_eager_logits(compiled, model, prompt, *one)
+    assert_the_eager_logits(compiled, model, prompt, *FORK)
+    recipes = json.loads(compiled._package_path().with_suffix(".json").read_text())
+    tensors = compiled._tensors
+    blocks = {name for name in tensors if name.endswith((".q", ".scale", ".minimum"))}
+    read = {name for constant, (name, form, _) in recipes.items() if name in blocks and form == "same"
+            and compiled._constants[constant].data_ptr() == tensors[name].data_ptr()}  # fmt: skip
+    assert len(blocks) == 15 * (3 if weights == "int4" else 2) and read == blocks
+    heads = random_heads(model)
+    result = Decoder(model, tokenizer, heads, SMALL, compiled=compiled).generate(PROMPT, max_new_tokens=24)
+    assert result.token_ids == reference(model, tokenizer(PROMPT, return_tensors="pt").input_ids, 24)
 
 
 def test_a_constant_the_package_reports_and_was_not_recorded_is_refused():

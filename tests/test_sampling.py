@@ -51,6 +51,8 @@ SETTINGS = [Sampling(temperature=1.0, seed=0), Sampling(temperature=0.7, top_k=6
         (Sampling(temperature=1.0, seed=6 * 10**6), None, "hydra", None, DynamicTree(5, 3, 2), None, {}),
         (Sampling(temperature=1.0, seed=7 * 10**6), None, "medusa", None, TREE, "granite", {"logits_scaling": 2.0}),
         (Sampling(temperature=1.0, seed=8 * 10**6), None, "medusa", None, TREE, "cohere", COHERE),
+        (Sampling(temperature=0.7, top_k=6, top_p=0.9, seed=9 * 10**6), None, "hydra", None, TREE, None,
+         {"weights": "int4"}),
     ],
     # window 2: the last 3 tokens see their last 2; lookup: its candidates beside the heads', in the same tree;
     # dynamic: each step's tree chosen from the drafter's probabilities; granite (divides its logits by
@@ -65,6 +67,7 @@ SETTINGS = [Sampling(temperature=1.0, seed=0), Sampling(temperature=0.7, top_k=6
         "t1-hydra-dynamic",
         "t1-granite",
         "t1-cohere",
+        "t0.7-k6-p0.9-hydra-int4",
     ],
 )
 def test_exact_acceptance_samples_the_base_models_joint_distribution(sampling, sliding_window, head_type, lookup,

@@ -20,6 +20,7 @@ from mtp.decoding.sampling import GREEDY
 from mtp.decoding.tree import Path, Tree
 from mtp.linears import usual_linears
 from mtp.machine import cache_dir, device_name, measured
+from mtp.quantized import blocks_of
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # tree sizes (root included) timed on the device
 BATCH_MAX_NODES = 16  # the largest tree timed for a step over several rows (a batch pays each node B times)
@@ -117,12 +118,13 @@ def monotone(values: list[float]) -> list[float]:
 
 
 def machine_key(model, heads: Drafts, compiled: CompiledPass | None = None, context: int = CONTEXT) -> str:
-    """What step costs depend on: the device (and threads), torch, the dtype, the base model, the drafter's kind,
-    the compiled pass's buckets, mtp's step code (STEPS)."""
+    """What step costs depend on: the device (and threads), torch, the dtype and weights (`blocks_of`), the base
+    model, the drafter's kind, the compiled pass's buckets, mtp's step code (STEPS)."""
     config = heads.config
     vocabulary = len(config.draft_vocab or []) or "full"
     steps = f"compiled {list(compiled.buckets)}, {compiled.length} slots" if compiled is not None else "eager"
-    return " | ".join([device_name(model.device), f"torch {torch.__version__}", str(model.dtype), config.identity(),
+    return " | ".join([device_name(model.device), f"torch {torch.__version__}", str(model.dtype), blocks_of(model),
+                       config.identity(),
                        f"{config.num_heads} {config.head_type} heads", config.lm_head,
                        f"draft vocabulary {vocabulary}", f"context {context}", steps, f"steps v{STEPS}"])  # fmt: skip
 

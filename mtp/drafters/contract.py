@@ -18,9 +18,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from mtp.base import load_base
+from mtp.base import gguf_file, load_base
 from mtp.decoding.proposer import Proposer
 from mtp.decoding.target import Target
+from mtp.quantized import quantize
 
 # what a heads folder holds (adapter_*: peft's files of a base adapter trained with the heads)
 HEADS_FILES = ["config.json", "model*.safetensors", "medusa_lm_head.*", "README.md", "adapter_*"]
@@ -287,16 +288,18 @@ class Drafter(nn.Module, metaclass=ABCMeta):
 
 def load_with_base(
     folder: str | Path, base_model: str | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32,
-    fast: bool = True, adapt: bool = True,
+    fast: bool = True, adapt: bool = True, weights: str = "float",
 ) -> tuple[Drafter, PreTrainedModel, PreTrainedTokenizerBase]:  # fmt: skip
     """The drafter in `folder` and the base it was trained for, checked to fit it, both on `device` in `dtype`:
     (drafter, base model, tokenizer). `base_model`: load that base instead of the one the drafter names (a local
     copy of it); `fast`: the base's linear products as `mtp.base.load_base` takes them; `adapt`: with the adapter
-    trained beside the drafter merged into the base (`Drafter.adapt`), the verifier it decodes with."""
+    trained beside the drafter merged into the base (`Drafter.adapt`), the verifier it decodes with; `weights`: the
+    base's weights as `mtp.base.load_base` takes them, put in blocks after an adapter is merged."""
     drafter = Drafter.from_pretrained(folder)
     name = base_model or drafter.config.base_model
-    model, tokenizer = load_base(name, device=device, dtype=dtype, fast=fast)
+    merged = adapt and drafter.config.adapter
+    model, tokenizer = load_base(name, device=device, dtype=dtype, fast=fast, weights="float" if merged else weights)
     drafter.check_base(name, model, tokenizer)
-    if adapt:
-        model = drafter.adapt(model)
+    if merged:  # (with "gguf", a layer the adapter changed is no longer the file's and stays float)
+        model = quantize(drafter.adapt(model), weights, gguf_file(name))
     return drafter.to(device=device, dtype=dtype).eval(), model, tokenizer
