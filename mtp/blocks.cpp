@@ -49,13 +49,15 @@ inline float minimums(const float* minimum, const float* xsum, int64_t blocks) {
   return sum;
 }
 
-// out[r, n] = sum_b (scale[n, b] q[n, block b]) . x[r, block b] + minimum[n, b] sum(x[r, block b]), for R rows:
-// each block unpacked and scaled once for all of them; A accumulators a row, so that few rows still keep the FMA
-// units busy (one accumulator waits on the last FMA's latency).
+// out[r, n] = sum_b scale[n, b] (q[n, block b] . x[r, block b]) + minimum[n, b] sum(x[r, block b]), for R rows,
+// each block unpacked once for all of them. Up to 3 rows, each row's dot product is scaled (one FMA a row and
+// block); from 4, the block's weights are (four multiplications a block, shared), and each row's product is taken
+// into A accumulators, so that 4 rows still keep the FMA units busy.
 template <int64_t R, bool FOUR>
 void rows(const float* x, const float* xsum, const uint8_t* q, const float* scale, const float* minimum,
           float* out, int64_t K, int64_t N, int64_t begin, int64_t end) {
-  constexpr int A = R == 1 ? 4 : R <= 4 ? 2 : 1;
+  constexpr bool LATE = R <= 3;
+  constexpr int A = R == 4 ? 2 : 1;
   const int64_t blocks = K / BLOCK, bytes = FOUR ? BLOCK / 2 : BLOCK;
   for (int64_t n = begin; n < end; ++n) {
     __m256 acc[R][A];
@@ -72,10 +74,20 @@ void rows(const float* x, const float* xsum, const uint8_t* q, const float* scal
     for (int64_t b = 0; b < blocks; ++b) {
       Four w = FOUR ? unpack4(qn + b * bytes) : unpack8(reinterpret_cast<const int8_t*>(qn + b * bytes));
       const __m256 d = _mm256_set1_ps(scale[n * blocks + b]);
-      for (int i = 0; i < 4; ++i) w.w[i] = _mm256_mul_ps(w.w[i], d);
-      for (int64_t r = 0; r < R; ++r) {
-        const float* xr = x + r * K + b * BLOCK;
-        for (int i = 0; i < 4; ++i) acc[r][i % A] = _mm256_fmadd_ps(w.w[i], _mm256_loadu_ps(xr + 8 * i), acc[r][i % A]);
+      if constexpr (LATE) {
+        for (int64_t r = 0; r < R; ++r) {
+          const float* xr = x + r * K + b * BLOCK;
+          __m256 dot = _mm256_mul_ps(w.w[0], _mm256_loadu_ps(xr));
+          for (int i = 1; i < 4; ++i) dot = _mm256_fmadd_ps(w.w[i], _mm256_loadu_ps(xr + 8 * i), dot);
+          acc[r][0] = _mm256_fmadd_ps(d, dot, acc[r][0]);
+        }
+      } else {
+        for (int i = 0; i < 4; ++i) w.w[i] = _mm256_mul_ps(w.w[i], d);
+        for (int64_t r = 0; r < R; ++r) {
+          const float* xr = x + r * K + b * BLOCK;
+          for (int i = 0; i < 4; ++i)
+            acc[r][i % A] = _mm256_fmadd_ps(w.w[i], _mm256_loadu_ps(xr + 8 * i), acc[r][i % A]);
+        }
       }
     }
     for (int64_t r = 0; r < R; ++r) {

@@ -32,6 +32,7 @@ from mtp.machine import cache_dir
 WEIGHTS = ("float", "int8", "int4", "gguf")
 BLOCK = 32  # weights a block, each block with its own scale (and, 4-bit, minimum)
 KERNEL_ROWS = 32  # the most input rows a product takes through the kernel; more unpack the weights to float
+_SOURCE_DIGEST = hashlib.sha256(Path(__file__).with_name("blocks.cpp").read_bytes()).hexdigest()[:12]
 _FILE_BLOCKS = {  # GGUF block type: (bytes a block, 4-bit)
     gguf.GGMLQuantizationType.Q4_0: (18, True),
     gguf.GGMLQuantizationType.Q4_1: (20, True),
@@ -138,9 +139,10 @@ def quantize(model: nn.Module, weights: str, gguf_file: str | Path | None = None
 
 
 def blocks_of(model: nn.Module) -> str:
-    """What `model`'s weights are, for keys of measured costs: "float", or its block layers' count by bits."""
+    """What `model`'s weights are, for keys of measured costs: "float", or its block layers' count by bits and the
+    kernel that multiplies them (its source's digest)."""
     bits = [module.bits for module in model.modules() if isinstance(module, BlockLinear)]
-    return f"blocks: {bits.count(4)} 4-bit, {bits.count(8)} 8-bit" if bits else "float"
+    return f"blocks: {bits.count(4)} 4-bit, {bits.count(8)} 8-bit, kernel {_SOURCE_DIGEST}" if bits else "float"
 
 
 def file_blocks(data: np.ndarray, kind: gguf.GGMLQuantizationType) -> tuple:
@@ -196,8 +198,7 @@ def kernels() -> bool:
               "to float, slower than float weights", file=sys.stderr)  # fmt: skip
         return False
     source = Path(__file__).with_name("blocks.cpp")
-    digest = hashlib.sha256(source.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
-    library = cache_dir() / "kernels" / f"blocks-{digest}.so"
+    library = cache_dir() / "kernels" / f"blocks-{_SOURCE_DIGEST}-torch-{torch.__version__}.so"
     try:
         if not library.is_file():
             _build(source, library)

@@ -75,7 +75,8 @@ def test_the_packaged_default_keeps_its_files_own_blocks():
     float_model, _ = load_base(fast=False)
     model, _ = load_base(fast=False, weights="gguf")
     layers = {name: module for name, module in model.named_modules() if isinstance(module, BlockLinear)}
-    assert len(layers) == 7 * model.config.num_hidden_layers + 1 and blocks_of(model) == "blocks: 210 4-bit, 1 8-bit"
+    assert len(layers) == 7 * model.config.num_hidden_layers + 1
+    assert blocks_of(model).startswith("blocks: 210 4-bit, 1 8-bit, kernel ")
     assert not any(type(module) is nn.Linear for module in model.modules())
     for name, blocks in layers.items():
         assert torch.equal(blocks.unpacked(), float_model.get_submodule(name).weight), name
@@ -90,7 +91,7 @@ def test_the_packaged_default_keeps_its_files_own_blocks():
 @pytest.mark.parametrize("head_type", ["medusa", "hydra", "eagle"])
 def test_greedy_over_quantized_weights_equals_their_plain_greedy(weights, head_type, tokenizer):
     model = quantize(tiny_model(), weights)
-    assert blocks_of(model) == f"blocks: {15 * (weights == 'int4')} 4-bit, {15 * (weights == 'int8')} 8-bit"
+    assert blocks_of(model).startswith(f"blocks: {15 * (weights == 'int4')} 4-bit, {15 * (weights == 'int8')} 8-bit")
     input_ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     heads = random_heads(model, head_type=head_type)
     result = Decoder(model, tokenizer, heads, TREE).generate(PROMPT, max_new_tokens=40)

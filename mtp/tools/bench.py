@@ -37,6 +37,7 @@ from mtp.decoding.sampling import Sampling, add_sampling_arguments, sampling_fro
 from mtp.decoding.tree import TREE_HELP
 from mtp.linears import narrow_counts, usual_linears
 from mtp.machine import device_name
+from mtp.quantized import WEIGHTS
 from mtp.tools.cli import user_errors
 from mtp.training.rows import read_rows
 
@@ -259,6 +260,7 @@ def arguments() -> argparse.Namespace:
                         help="eager verification passes (see mtp.decoding.compiled), and no compiled plain decoder")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--weights", default="float", choices=WEIGHTS, help="the base's weights (see mtp.quantized)")
     parser.add_argument("--out", default="runs/bench/bench.json", help="JSON out; the Markdown table goes beside it")
     args = parser.parse_args()
     if args.against_tree and len(args.against_tree) != len(args.against):
@@ -353,10 +355,11 @@ def main() -> None:
     if args.seed is not None:
         torch.manual_seed(args.seed)  # plain generate and prompt lookup sample with torch's global generator
     dtype = getattr(torch, args.dtype)
-    decoder = mtp.load(args.drafter, args.device, dtype, tree=args.tree, lookup=lookup_from(args),
+    decoder = mtp.load(args.drafter, args.device, dtype, tree=args.tree, lookup=lookup_from(args), weights=args.weights,
                        compile=False if args.batch_size else args.compile)  # batches run eager passes  # fmt: skip
     trees = args.against_tree or [None] * len(args.against)
-    others = [mtp.load(path, args.device, dtype, tree=tree) for path, tree in zip(args.against, trees, strict=True)]
+    others = [mtp.load(path, args.device, dtype, tree=tree, weights=args.weights)
+              for path, tree in zip(args.against, trees, strict=True)]  # fmt: skip
     questions = chosen_questions(args.questions, args.limit)
     chats = [[{"role": "user", "content": q["turns"][0] if "turns" in q else q["prompt"]}] for q in questions]
     for messages in chats:  # every question fits the context, before any runs

@@ -38,6 +38,7 @@ from mtp.decoding.sampling import GREEDY
 from mtp.decoding.tree import DynamicTree, Path, Tree, grow_tree
 from mtp.drafters.contract import Drafter, load_with_base
 from mtp.machine import measured
+from mtp.quantized import WEIGHTS
 from mtp.tools.cli import user_errors
 from mtp.tools.simulate import (
     LOOKUP_LENGTHS,
@@ -74,18 +75,20 @@ def measure_drafting(model, tokenizer, heads: Drafter, plans: list, context: int
 
 
 def expected_speedups(heads_path: str, device: str = "cpu", dtype: torch.dtype = torch.float32, max_nodes: int = 64,
-                      context: int = 256, remeasure: bool = False, held_out: list | None = None) -> dict:  # fmt: skip
+                      context: int = 256, remeasure: bool = False, held_out: list | None = None,
+                      weights: str = "float") -> dict:  # fmt: skip
     """Per tree size 1..max_nodes: expected tau, step seconds on this device (timed once, then cached in
     `$MTP_CACHE/step_seconds.json`) and expected speedup; `chosen` is the size with the highest speedup. With
     `held_out` (answers of the base model to prompts the heads did not train on, as (ids, mask, ...)), decoding
     them is simulated (`simulate`) for every size with the heads alone (`measured`) and beside the best lookup
-    lengths (`lookup`), and the best of those chooses the size and `chosen_lookup`."""
+    lengths (`lookup`), and the best of those chooses the size and `chosen_lookup`. `weights`: the base's weights
+    (`mtp.quantized`), whose steps are timed."""
     if Drafter.from_pretrained(heads_path).config.calibration is None:  # said before the base loads
         raise ValueError(
             f"{heads_path} has no calibration (rank accuracies): train with a validation split "
             f"(data.val_fraction > 0); the last validation run records them."
         )
-    heads, model, tokenizer = load_with_base(heads_path, device=device, dtype=dtype)
+    heads, model, tokenizer = load_with_base(heads_path, device=device, dtype=dtype, weights=weights)
     paths, expected = grow_tree(heads.config.calibration, max_nodes)
     compiled = compile_pass(model, every_layer=bool(heads.config.feature_layers))  # the steps as `mtp.load` runs them
 
@@ -190,6 +193,7 @@ def main() -> None:
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--weights", default="float", choices=WEIGHTS, help="the base's weights (see mtp.quantized)")
     parser.add_argument("--max-nodes", type=int, default=64)
     parser.add_argument("--context", type=int, default=256, help="prompt tokens before the timed steps")
     parser.add_argument("--remeasure", action="store_true", help="time the steps again, even if cached")
@@ -197,8 +201,9 @@ def main() -> None:
     args = parser.parse_args()
     base_model = Drafter.from_pretrained(args.drafter).config.base_model
     examples = held_out(args, base_model).val_examples if args.data else None
-    table = size_tree(args.drafter, device=args.device, dtype=getattr(torch, args.dtype), max_nodes=args.max_nodes,
-                      context=args.context, remeasure=args.remeasure, held_out=examples)  # fmt: skip
+    table = size_tree(args.drafter, device=args.device, dtype=getattr(torch, args.dtype), weights=args.weights,
+                      max_nodes=args.max_nodes, context=args.context, remeasure=args.remeasure,
+                      held_out=examples)  # fmt: skip
     simulated = "measured" in table
     print(f"{table['device']}\n  size  expected tau  step ms  expected speedup"
           + ("  held-out tau / speedup  with lookup: tau / speedup, lengths" if simulated else ""))  # fmt: skip
