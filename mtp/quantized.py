@@ -7,10 +7,11 @@ the file holds them: Q4_0, Q4_1 and Q8_0 map exactly onto these; its other tenso
 the model decoded: greedy output equals mtp's plain greedy decoding of the same weights and sampling keeps that
 model's distribution; it answers as a different model from the float one would.
 
-A product of up to KERNEL_ROWS input rows (a decoding step's) runs through mtp's kernel (`blocks.cpp`: each block
-unpacked in registers, multiplied in float32; built once per machine and torch on an AVX2 CPU, and called by the
-compiled pass too), so a pass streams 4 or 8 bits a weight instead of 32; more rows (a prompt's prefill), another
-device or dtype multiply by the weights unpacked to float for that product.
+On a CPU with AVX2, in float32, products run through mtp's kernel (`blocks.cpp`: each block unpacked in registers
+and multiplied in float32 by up to 8 input rows at a time; built once per machine and torch, and called by the
+compiled pass too), so a pass streams 4 or 8 bits a weight instead of 32, and a row's product is computed alike
+whatever the row count (a prompt's prefill, a tree, a batch). Another device or dtype multiplies by the weights
+unpacked to float for that product.
 """
 
 import functools
@@ -31,7 +32,6 @@ from mtp.machine import cache_dir
 
 WEIGHTS = ("float", "int8", "int4", "gguf")
 BLOCK = 32  # weights a block, each block with its own scale (and, 4-bit, minimum)
-KERNEL_ROWS = 32  # the most input rows a product takes through the kernel; more unpack the weights to float
 _SOURCE_DIGEST = hashlib.sha256(Path(__file__).with_name("blocks.cpp").read_bytes()).hexdigest()[:12]
 _FILE_BLOCKS = {  # GGUF block type: (bytes a block, 4-bit)
     gguf.GGMLQuantizationType.Q4_0: (18, True),
@@ -82,10 +82,9 @@ class BlockLinear(nn.Module):
         return unpacked(self.q, self.scale, self.minimum)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if x.device.type != "cpu" or x.dtype != torch.float32 or rows > KERNEL_ROWS or not kernels():
+        if x.device.type != "cpu" or x.dtype != torch.float32 or not kernels():
             return F.linear(x, self.unpacked().to(x.dtype), self.bias)
-        flat = x.reshape(rows, x.shape[-1])
+        flat = x.reshape(-1, x.shape[-1])
         if self.minimum is None:
             out = torch.ops.mtp.q8_mm(flat, self.q, self.scale)
         else:

@@ -44,7 +44,7 @@ def test_the_kernel_multiplies_by_the_weights_the_blocks_hold(bits, rows):
         product = getattr(torch.ops.mtp, f"q{bits}_mm")(x, *args)
         torch.testing.assert_close(product + linear.bias, expected, rtol=0, atol=1e-5)
     with torch.no_grad():
-        torch.testing.assert_close(blocks(x[None]), expected[None], rtol=0, atol=1e-5)  # either path, by row count
+        torch.testing.assert_close(blocks(x[None]), expected[None], rtol=0, atol=1e-5)
         torch.testing.assert_close(blocks(x[None]), linear(x[None]), rtol=0, atol=0.2)  # (a coarse copy of it)
 
 
@@ -105,7 +105,7 @@ def test_each_row_of_a_batch_over_quantized_weights_is_its_prompt_decoded_alone(
     model = quantize(tiny_model(), weights)
     prompts = [PROMPT, "Once upon a time", "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20"]
     decoder = Decoder(model, tokenizer, random_heads(model), TREE)
-    together = decoder.generate(prompts, max_new_tokens=30, batch_size=3)  # 3 rows of 10 nodes: past KERNEL_ROWS
+    together = decoder.generate(prompts, max_new_tokens=30, batch_size=3)  # 3 rows of 10 nodes a pass
     for prompt, result in zip(prompts, together, strict=True):
         assert result.token_ids == reference(model, tokenizer(prompt, return_tensors="pt").input_ids, 30)
 
