@@ -152,3 +152,52 @@ def test_other_drafters_are_summarised_beside_mtp_each_with_its_own_tau_and_mism
     assert "| against 1 tok/s | against 2 tok/s | vs plain | vs lookup | vs against 1 | vs against 2 |" in table[0]
     assert table[0].endswith("| against 1 tau | against 1 mismatches | against 2 tau | against 2 mismatches |")
     assert table[2].endswith("| 4.00x | 0.50x | 11 / 7 | 1 | 0.33 | 1 | 0.78 | 0 |")
+
+
+class FakeLlama:
+    """llama-cpp-python's `Llama` as `LlamaCpp` uses it: every prompt answered with tokens 7, 8, 9, ... (2 an EOS)."""
+
+    made = []
+
+    def __init__(self, **settings):
+        self.settings, self.resets, self.calls = settings, 0, []
+        FakeLlama.made.append(self)
+
+    def reset(self):
+        self.resets += 1
+
+    def generate(self, tokens, **settings):
+        self.calls.append((tokens, settings))
+        yield from [7, 8, 9, 2, 11] if tokens == [5] else iter(range(7, 1000))
+
+
+def test_llama_cpp_answers_the_same_prompt_tokens_greedily_from_an_empty_cache(monkeypatch, tmp_path):
+    import torch
+
+    from mtp.decoding.sampling import GREEDY, Sampling
+    from mtp.tools.bench import LlamaCpp
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", type(sys)("llama_cpp"))
+    sys.modules["llama_cpp"].Llama = FakeLlama
+    (tmp_path / "base.gguf").write_bytes(b"")
+    peer = LlamaCpp(str(tmp_path / "base.gguf"), threads=2, context=4096)
+    assert FakeLlama.made[-1].settings == dict(model_path=str(tmp_path / "base.gguf"), n_ctx=4096, n_threads=2,
+                                               n_threads_batch=2, verbose=False)  # fmt: skip
+    assert peer.answer(torch.tensor([[5]]), 16, GREEDY, {2}).tokens == 3  # 7, 8, 9: stopped at the EOS
+    assert peer.answer(torch.tensor([[5, 6]]), 16, Sampling(temperature=0.7, top_p=0.9), {2}).tokens == 16
+    (first, greedy), (second, sampled) = FakeLlama.made[-1].calls
+    assert first == [5] and second == [5, 6] and FakeLlama.made[-1].resets == 2
+    assert greedy == dict(min_p=0.0, repeat_penalty=1.0, temp=0.0)
+    assert sampled == dict(min_p=0.0, repeat_penalty=1.0, temp=0.7, top_k=0, top_p=0.9)
+
+
+def test_llama_cpp_without_its_package_or_file_is_a_clear_error(monkeypatch, tmp_path):
+    from mtp.tools.bench import LlamaCpp
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # (an import of it fails)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install '.\[peers\]'"):
+        LlamaCpp(str(tmp_path / "base.gguf"), threads=2, context=4096)
+    monkeypatch.setitem(sys.modules, "llama_cpp", type(sys)("llama_cpp"))
+    sys.modules["llama_cpp"].Llama = FakeLlama
+    with pytest.raises(FileNotFoundError, match="give --llama-cpp the base's .gguf file"):
+        LlamaCpp(str(tmp_path / "missing.gguf"), threads=2, context=4096)

@@ -11,6 +11,9 @@ the two are the same computation and `plain` alone is timed. Prompt lookup runs 
 
     python -m mtp.tools.bench --drafter DRAFTER --questions data/mt_bench.jsonl --limit 16 --max-new-tokens 128
 
+With --llama-cpp FILE.gguf: llama.cpp's plain decoding of that file too (`LlamaCpp`), the engine a CPU user would
+otherwise run, on the same prompt tokens and threads, in the same rounds.
+
 With --batch-size B [B ...]: total tokens/s of mtp and of plain `generate` answering B prompts at a time, against
 one at a time (see `bench_batches`).
 """
@@ -261,6 +264,8 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--weights", default="float", choices=WEIGHTS, help="the base's weights (see mtp.quantized)")
+    parser.add_argument("--llama-cpp", metavar="FILE.gguf", help="time llama.cpp's plain decoding of this file too "
+                        "(the base's own: llama-cpp-python, pip install '.[peers]')")
     parser.add_argument("--out", default="runs/bench/bench.json", help="JSON out; the Markdown table goes beside it")
     args = parser.parse_args()
     if args.against_tree and len(args.against_tree) != len(args.against):
@@ -290,12 +295,13 @@ def chosen_questions(path: str, limit: int | None) -> list[dict]:
 
 class Contest:
     """The decoders that answer each question in turn: plain `generate` (with the usual products, and with mtp's
-    where they differ for one row), prompt lookup, mtp's compiled plain loop (when compiled), mtp with its heads
-    alone (when its lookup is on), mtp, and the --against drafters."""
+    where they differ for one row), prompt lookup, mtp's compiled plain loop (when compiled), llama.cpp (with
+    --llama-cpp), mtp with its heads alone (when its lookup is on), mtp, and the --against drafters."""
 
     def __init__(self, decoder: Decoder, others: list[Decoder], sampling: Sampling, max_new_tokens: int,
-                 plain_fast: bool):  # fmt: skip
+                 plain_fast: bool, peer: "LlamaCpp | None" = None):  # fmt: skip
         self.decoder, self.others, self.sampling, self.max_new_tokens = decoder, others, sampling, max_new_tokens
+        self.peer = peer
         self.model = decoder.base_model
         self.heads_alone = decoder.lookup and Decoder(self.model, decoder.tokenizer, decoder.drafter, decoder.tree,
                                                       compiled=decoder.compiled)  # fmt: skip
@@ -308,6 +314,8 @@ class Contest:
             if each:
                 each.generate(hello, max_new_tokens=8, sampling=self.sampling)
         prompt = [self.decoder.encode(hello).to(self.model.device)]
+        if self.peer:
+            self.peer.answer(prompt[0], 8, self.sampling, eos_ids(self.model))
         timed_generate(self.model, prompt, 8, self.sampling, prompt_lookup_num_tokens=10)
         timed_generate(self.model, prompt, 8, self.sampling)
         with usual_linears(self.model):
@@ -327,6 +335,8 @@ class Contest:
         if self.plain_compiled:
             steps = self.plain_compiled.generate(messages, max_new_tokens=limit, sampling=sampling)
             runs["plain_compiled"] = Run(len(steps.token_ids), steps.seconds)
+        if self.peer:
+            runs["llama_cpp"] = self.peer.answer(input_ids, limit, sampling, eos_ids(self.model))
         (lookup,), seconds = timed_generate(self.model, [input_ids], limit, sampling, prompt_lookup_num_tokens=10)
         runs["lookup"] = Run(len(lookup), seconds)
         compared = plain if sampling.greedy else None  # samples differ by chance
@@ -339,6 +349,35 @@ class Contest:
             runs[f"against_{number}"] = result_run(other.generate(messages, max_new_tokens=limit, sampling=sampling),
                                                    compared)  # fmt: skip
         return Answered(question.get("category", "all"), runs, result.acceptance)
+
+
+class LlamaCpp:
+    """llama.cpp's plain decoding of a GGUF file, through llama-cpp-python (`pip install ".[peers]"`, built for the
+    machine: docs/evaluation.md), on `threads` threads: greedy, or sampled with the same temperature, top-k and
+    top-p (and no other sampler)."""
+
+    def __init__(self, path: str, threads: int, context: int):
+        try:
+            from llama_cpp import Llama
+        except ImportError as error:
+            raise ModuleNotFoundError("--llama-cpp needs llama-cpp-python: pip install '.[peers]' (built for this "
+                                      "machine: docs/evaluation.md gives the command)") from error  # fmt: skip
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"GGUF file {path!r} does not exist: give --llama-cpp the base's .gguf file.")
+        self.llm = Llama(model_path=path, n_ctx=context, n_threads=threads, n_threads_batch=threads, verbose=False)
+
+    def answer(self, input_ids: torch.Tensor, limit: int, sampling: Sampling, eos: set[int]) -> Run:
+        """Its answer to the prompt `input_ids` (1, T) (mtp's tokens: the file's own vocabulary), from an empty
+        cache: the new tokens before an EOS, at most `limit`, and the seconds they took with the prompt's."""
+        settings = dict(temp=0.0) if sampling.greedy else dict(temp=sampling.temperature, top_k=sampling.top_k or 0,
+                                                               top_p=sampling.top_p or 1.0)  # fmt: skip
+        tokens, start = [], time.perf_counter()
+        self.llm.reset()  # (no prompt reused from the last answer)
+        for token in self.llm.generate(input_ids[0].tolist(), min_p=0.0, repeat_penalty=1.0, **settings):
+            if token in eos or len(tokens) == limit:
+                break
+            tokens.append(token)
+        return Run(len(tokens), time.perf_counter() - start)
 
 
 def fastest_times(answers: list[Answered]) -> Answered:
@@ -376,7 +415,8 @@ def main() -> None:
         runs = bench_batches(decoder, chats, args.batch_size, args.max_new_tokens, sampling)
         written, text = {"batches": [asdict(run) for run in runs]}, batch_markdown(runs, len(chats))
     else:
-        contest = Contest(decoder, others, sampling, args.max_new_tokens, settings["plain_fast"])
+        peer = args.llama_cpp and LlamaCpp(args.llama_cpp, torch.get_num_threads(), min(decoder.context or 4096, 4096))
+        contest = Contest(decoder, others, sampling, args.max_new_tokens, settings["plain_fast"], peer)
         contest.warm_up()
         answers = [fastest_times([contest.answer(question, messages) for _ in range(args.repeat)])
                    for question, messages in zip(tqdm(questions, desc="benchmark", unit="question"), chats,
