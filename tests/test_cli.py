@@ -232,6 +232,6 @@ def test_the_gpu_check_runs_in_its_cpu_mode(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "A step's cost against the fastest plain step" in done.stdout and "| overall | 1 |" in done.stdout
     assert "Memory per device (estimate)" in done.stdout and "measured / estimate" in done.stdout
-    assert "| nodes | eager ms | compiled ms |" in done.stdout and "\n| 4 | " in done.stdout
+    assert "| weights | nodes | eager ms | compiled ms |" in done.stdout and "\n| float | 4 | " in done.stdout
     assert json.loads((tmp_path / "bench.json").read_text())["summary"]["overall"]["mismatches"]["mtp"] == 0
     assert (tmp_path / "tiny" / "lightning_logs" / "version_0" / "heads" / "config.json").is_file()
