@@ -54,7 +54,7 @@ class BlockLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.bits = 8 if minimum is None else 4
         self.out_features, self.in_features = scale.shape[0], scale.shape[1] * BLOCK
-        self._tied = tied  # the embedding's float weight where the lm_head shares it (drafters read its rows)
+        self._float = tied  # the float weight: the embedding's where the lm_head shares it (drafters read its rows)
 
     @classmethod
     def made_from(cls, layer: nn.Linear, bits: int, tied: torch.Tensor | None = None) -> "BlockLinear":
@@ -74,8 +74,11 @@ class BlockLinear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The float weight: the tied embedding's, else the blocks unpacked."""
-        return self._tied if self._tied is not None else self.unpacked()
+        """The float weight: the tied embedding's, else the blocks unpacked on first use and kept (a drafter that
+        reads the lm_head's rows asks every step; products never do)."""
+        if self._float is None:
+            self._float = self.unpacked()
+        return self._float
 
     def unpacked(self) -> torch.Tensor:
         """The weights the blocks hold, (N, K) float32: q * scale + minimum, rounded as GGUF's own unpacking."""
@@ -123,7 +126,8 @@ def quantize(model: nn.Module, weights: str, gguf_file: str | Path | None = None
               if type(module) is nn.Linear and module.in_features % BLOCK == 0}  # fmt: skip
     found = _file_blocks(Path(gguf_file), layers) if weights == "gguf" else {}
     with torch.no_grad():
-        for name, layer in layers.items():
+        while layers:  # each float weight let go once its blocks are made: memory for one layer's more at a time
+            name, layer = layers.popitem()
             tied = embed if layer.weight is embed else None
             if weights == "gguf":
                 made = BlockLinear(*found[name], layer.bias, tied) if name in found else None
@@ -132,6 +136,7 @@ def quantize(model: nn.Module, weights: str, gguf_file: str | Path | None = None
             if made is not None:
                 parent, _, attr = name.rpartition(".")
                 setattr(model.get_submodule(parent), attr, made)
+            del layer, made
     if model.device.type == "cpu":
         kernels()  # built (or found) now, before a compiled pass that calls them is loaded
     return model

@@ -56,6 +56,11 @@ def test_blocks_keep_each_weight_within_half_a_step(bits):
     assert error.amax() > 0  # (a quantization, not a copy)
 
 
+def test_the_float_weight_drafters_read_is_unpacked_once_and_kept():
+    _, blocks = layer(4)
+    assert blocks.weight is blocks.weight and torch.equal(blocks.weight, blocks.unpacked())
+
+
 @pytest.mark.parametrize("kind", KINDS, ids=lambda kind: kind.name)
 def test_a_gguf_files_blocks_unpack_bit_for_bit_as_gguf_unpacks_them(kind):
     values = np.random.default_rng(0).normal(size=(48, 128)).astype(np.float32)
