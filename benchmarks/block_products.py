@@ -38,7 +38,7 @@ def main() -> None:
     layer = nn.Linear(args.shape[1], args.shape[0], bias=False)
     blocks = args.shape[0] * args.shape[1] // 32
     made = {"float32": layer, "8-bit": BlockLinear.made_from(layer, 8), "4-bit": BlockLinear.made_from(layer, 4)}
-    print(f"{device_name('cpu')} (one thread), a {args.shape[0]}x{args.shape[1]} weight: ns per block of 32 weights")
+    print(f"{device_name('cpu')}, a {args.shape[0]}x{args.shape[1]} weight: ns per block of 32 weights")
     print("| rows | " + " | ".join(made) + " |\n| ---: |" + " ---: |" * len(made))
     for rows in args.rows:
         x = torch.randn(rows, args.shape[1])
