@@ -22,7 +22,7 @@ from mtp.decoding.decoder import Decoder, GenerationResult
 from mtp.decoding.lookup import add_lookup_arguments, lookup_from
 from mtp.decoding.sampling import add_sampling_arguments, sampling_from
 from mtp.decoding.tree import TREE_HELP
-from mtp.quantized import WEIGHTS
+from mtp.quantized import add_weights_argument
 from mtp.tools.cli import user_errors
 from mtp.training.rows import read_rows
 
@@ -76,8 +76,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object per answer on stdout")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--weights", default="float", choices=WEIGHTS, help="the base's weights: as loaded, put in "
-                        "blocks of 8 or 4 bits, or a GGUF base's own blocks (the packaged default's: 4-bit)")
+    add_weights_argument(parser)
     parser.add_argument("--no-compile", dest="compile", action="store_false", default=None,
                         help="eager verification passes: no compiling at load (see mtp.decoding.compiled; "
                         "--batch-size above 1 never compiles)")

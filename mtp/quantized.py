@@ -14,6 +14,7 @@ whatever the row count (a prompt's prefill, a tree, a batch). Another device or 
 unpacked to float for that product.
 """
 
+import argparse
 import functools
 import hashlib
 import os
@@ -32,7 +33,8 @@ from mtp.machine import cache_dir
 
 WEIGHTS = ("float", "int8", "int4", "gguf")
 BLOCK = 32  # weights a block, each block with its own scale (and, 4-bit, minimum)
-_SOURCE_DIGEST = hashlib.sha256(Path(__file__).with_name("blocks.cpp").read_bytes()).hexdigest()[:12]
+_SOURCE = Path(__file__).with_name("blocks.cpp")
+_SOURCE_DIGEST = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
 _FILE_BLOCKS = {  # GGUF block type: (bytes a block, 4-bit)
     gguf.GGMLQuantizationType.Q4_0: (18, True),
     gguf.GGMLQuantizationType.Q4_1: (20, True),
@@ -109,13 +111,25 @@ def unpacked(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None)
     return (values * scale[..., None] + minimum[..., None]).reshape(rows, -1)
 
 
+def require_weights(weights: str) -> None:
+    """Raise unless `weights` is one of WEIGHTS."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights={weights!r}: choose one of {', '.join(WEIGHTS)}.")
+
+
+def add_weights_argument(parser: argparse.ArgumentParser) -> None:
+    """The --weights option of decode.py, mtp.tools.bench and mtp.tools.sizing."""
+    parser.add_argument("--weights", default="float", choices=WEIGHTS, help="the base's weights: as loaded, in "
+                        "blocks of 8 or 4 bits, or a GGUF base's own blocks (the packaged default's: 4-bit); see "
+                        "mtp.quantized")  # fmt: skip
+
+
 def quantize(model: nn.Module, weights: str, gguf_file: str | Path | None = None) -> nn.Module:
     """`model` with its linear layers (those whose input width is a multiple of BLOCK) in blocks as `weights` says
     (`WEIGHTS`); "gguf" takes each layer's blocks from `gguf_file`, found by value (the converted model's float
     weights are the file's blocks unpacked), so any architecture's names and row orders map; a layer the file
     keeps otherwise stays float. Replaced in place; returns `model`."""
-    if weights not in WEIGHTS:
-        raise ValueError(f"weights={weights!r}: choose one of {', '.join(WEIGHTS)}.")
+    require_weights(weights)
     if weights == "float":
         return model
     if weights == "gguf" and gguf_file is None:
@@ -124,7 +138,7 @@ def quantize(model: nn.Module, weights: str, gguf_file: str | Path | None = None
     embed = model.get_input_embeddings().weight
     layers = {name: module for name, module in model.named_modules()
               if type(module) is nn.Linear and module.in_features % BLOCK == 0}  # fmt: skip
-    found = _file_blocks(Path(gguf_file), layers) if weights == "gguf" else {}
+    found = _blocks_in_file(Path(gguf_file), layers) if weights == "gguf" else {}
     with torch.no_grad():
         while layers:  # each float weight let go once its blocks are made: memory for one layer's more at a time
             name, layer = layers.popitem()
@@ -164,7 +178,7 @@ def file_blocks(data: np.ndarray, kind: gguf.GGMLQuantizationType) -> tuple:
     return raw[..., 2:].reshape(data.shape[0], -1), scale, None
 
 
-def _file_blocks(path: Path, layers: dict[str, nn.Linear]) -> dict[str, tuple]:
+def _blocks_in_file(path: Path, layers: dict[str, nn.Linear]) -> dict[str, tuple]:
     """Per layer of `layers` whose every weight row is a row of one of the file's Q4_0, Q4_1 or Q8_0 tensors (equal
     values: rows found by digest, in the layer's order), that tensor's blocks in that order."""
     if not path.is_file() or path.suffix != ".gguf":
@@ -201,11 +215,10 @@ def kernels() -> bool:
         print(f"mtp: no block kernels for this CPU ({capability}, not AVX2): quantized products unpack their weights "
               "to float, slower than float weights", file=sys.stderr)  # fmt: skip
         return False
-    source = Path(__file__).with_name("blocks.cpp")
     library = cache_dir() / "kernels" / f"blocks-{_SOURCE_DIGEST}-torch-{torch.__version__}.so"
     try:
         if not library.is_file():
-            _build(source, library)
+            _build(_SOURCE, library)
         torch.ops.load_library(str(library))
     except (OSError, subprocess.CalledProcessError) as error:
         detail = (getattr(error, "stderr", b"") or str(error).encode()).decode(errors="replace").strip().splitlines()

@@ -40,7 +40,7 @@ from mtp.decoding.sampling import Sampling, add_sampling_arguments, sampling_fro
 from mtp.decoding.tree import TREE_HELP
 from mtp.linears import narrow_counts, usual_linears
 from mtp.machine import device_name
-from mtp.quantized import WEIGHTS
+from mtp.quantized import add_weights_argument
 from mtp.tools.cli import user_errors
 from mtp.training.rows import read_rows
 
@@ -263,7 +263,7 @@ def arguments() -> argparse.Namespace:
                         help="eager verification passes (see mtp.decoding.compiled), and no compiled plain decoder")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--weights", default="float", choices=WEIGHTS, help="the base's weights (see mtp.quantized)")
+    add_weights_argument(parser)
     parser.add_argument("--llama-cpp", metavar="FILE.gguf", help="time llama.cpp's plain decoding of this file too "
                         "(the base's own: llama-cpp-python, pip install '.[peers]')")
     parser.add_argument("--out", default="runs/bench/bench.json", help="JSON out; the Markdown table goes beside it")

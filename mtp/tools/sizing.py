@@ -38,7 +38,7 @@ from mtp.decoding.sampling import GREEDY
 from mtp.decoding.tree import DynamicTree, Path, Tree, grow_tree
 from mtp.drafters.contract import Drafter, load_with_base
 from mtp.machine import measured
-from mtp.quantized import WEIGHTS
+from mtp.quantized import add_weights_argument
 from mtp.tools.cli import user_errors
 from mtp.tools.simulate import (
     LOOKUP_LENGTHS,
@@ -193,7 +193,7 @@ def main() -> None:
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--weights", default="float", choices=WEIGHTS, help="the base's weights (see mtp.quantized)")
+    add_weights_argument(parser)
     parser.add_argument("--max-nodes", type=int, default=64)
     parser.add_argument("--context", type=int, default=256, help="prompt tokens before the timed steps")
     parser.add_argument("--remeasure", action="store_true", help="time the steps again, even if cached")
