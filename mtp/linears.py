@@ -18,6 +18,7 @@ from contextvars import ContextVar
 import torch
 from torch.nn import functional as F
 
+from mtp.internals import version
 from mtp.machine import device_name, measured
 
 ROWS = 16  # the most input rows for which the W x^T path is considered
@@ -71,7 +72,7 @@ def quantized_product(x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor]) 
 def int8_product(owner: object, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """x W^T (+ bias) from W's `quantized_rows`, quantized on first use and kept on `owner` (a module: one weight
     each) until the weight changes."""
-    key = (weight.data_ptr(), weight._version, weight.dtype)
+    key = (weight.data_ptr(), version(weight), weight.dtype)
     if getattr(owner, "_int8_key", None) != key:
         owner._int8_key, owner._int8 = key, quantized_rows(weight)
     out = quantized_product(x, owner._int8)

@@ -28,6 +28,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 from mtp.decoding.target import Target
 from mtp.drafters.contract import Drafter, DrafterConfig
 from mtp.drafters.eagle_proposer import EagleProposer
+from mtp.internals import version
 from mtp.linears import int8_drafts, int8_product
 
 # the base's rotary settings the drafter's layer takes: its type, theta and scaling (not a partial rotary factor:
@@ -259,9 +260,10 @@ class Eagle(Drafter, kind="eagle"):
     def _rows(self, base_lm_head: nn.Module) -> torch.Tensor:
         """The base lm_head's rows of the draft vocabulary (D, H), gathered once per weight."""
         weight = base_lm_head.weight
-        key = (weight.data_ptr(), weight._version, weight.device, weight.dtype, self.d2t.data_ptr())
+        key = (weight.data_ptr(), version(weight), weight.device, weight.dtype, self.d2t.data_ptr())
         if getattr(self, "_rows_key", None) != key:
             self._rows_key, self._rows_cache = key, weight[self.draft_ids].detach()
+            self._int8_key = None  # (`int8_product`'s rows of the rows before, which a new tensor may not renew)
         return self._rows_cache
 
     def teacher_forced(self, hidden, features, input_ids, keep, embed) -> torch.Tensor:

@@ -11,6 +11,7 @@ from transformers import PreTrainedModel
 from mtp.decoding.proposer import TreeProposer
 from mtp.decoding.target import Target
 from mtp.drafters.contract import Drafter, DrafterConfig
+from mtp.internals import version
 from mtp.linears import draft_linear, int8_drafts, narrow_rows, product, quantized_product, quantized_rows
 
 
@@ -151,7 +152,7 @@ class Heads(Drafter):
         `mtp.linears.int8_drafts`: a quarter of the bytes that a level of the tree streams)."""
         sources = [base_lm_head.weight] if self.projections is None else [p.weight for p in self.projections]
         # the draft list itself is in the key (compared by identity first, then by value): a new list is new rows
-        key = [self.config.draft_vocab, *((w.data_ptr(), w._version, w.device, w.dtype) for w in sources)]
+        key = [self.config.draft_vocab, *((w.data_ptr(), version(w), w.device, w.dtype) for w in sources)]
         # training own projections: a fresh gather every time, inside the autograd graph
         trainable = torch.is_grad_enabled() and any(w.requires_grad for w in sources)
         if trainable or getattr(self, "_draft_key", None) != key:
