@@ -18,7 +18,7 @@ from contextvars import ContextVar
 import torch
 from torch.nn import functional as F
 
-from mtp.internals import version
+from mtp.internals import int8_rows_product, version
 from mtp.machine import device_name, measured
 
 ROWS = 16  # the most input rows for which the W x^T path is considered
@@ -66,7 +66,7 @@ def quantized_product(x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor]) 
     float32 W's bytes, for a product that streams W from memory to multiply one row or a few: a drafter's
     vocabulary projection, whose guesses need not be exact (the base model verifies them)."""
     flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-    return torch._weight_int8pack_mm(flat, *rows).to(x.dtype).reshape(*x.shape[:-1], -1)
+    return int8_rows_product(flat, *rows).to(x.dtype).reshape(*x.shape[:-1], -1)
 
 
 def int8_product(owner: object, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from mtp.internals import cxx11_abi
 from mtp.machine import cache_dir
 
 WEIGHTS = ("float", "int8", "int4", "gguf")
@@ -235,7 +236,7 @@ def _build(source: Path, library: Path) -> None:
     from torch.utils.cpp_extension import include_paths, library_paths
 
     library.parent.mkdir(parents=True, exist_ok=True)
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    abi = cxx11_abi()
     with tempfile.TemporaryDirectory(dir=library.parent) as staging:
         built = Path(staging) / library.name
         subprocess.run([os.environ.get("CXX", "c++"), "-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC",

@@ -5,6 +5,8 @@ that does not compile). Compiled with ATen's products (templates=False, which co
 which changes kernels, not what they compute."""
 
 import json
+import sys
+import threading
 import types
 from itertools import zip_longest
 from unittest import mock
@@ -15,12 +17,15 @@ from conftest import PROMPT, SLIDING, TINY_BASE, TREE, OracleHeads, random_heads
 from safetensors.torch import load_file
 from torch import nn
 from torch._dynamo.utils import counters
+from torch._inductor import config as inductor_config
 from torch._inductor.cpu_vec_isa import pick_vec_isa
 from transformers import DynamicCache
 
 import mtp.decoding.compiled as compiled_module
+from mtp import internals
 from mtp.base import load_tokenizer
 from mtp.decoding import constants
+from mtp.decoding.batch import Batch
 from mtp.decoding.cache import tree_attention_mask
 from mtp.decoding.compiled import CompiledPass, compile_pass
 from mtp.decoding.decoder import Decoder, GenerationResult
@@ -165,16 +170,16 @@ def test_the_templates_float_micro_kernel_is_mtps_on_the_torch_it_installs():
     no longer has the replaced text would silently lose it. (The test above computes through it.)"""
     from torch._inductor.codegen.cpp_micro_gemm import CppMicroGemmFP32Vec
 
-    compiled_module._accumulators_in_registers()
-    assert compiled_module._MICRO_KERNEL in CppMicroGemmFP32Vec.TEMPLATE_KERNEL
+    internals._accumulators_in_registers()
+    assert internals._MICRO_KERNEL in CppMicroGemmFP32Vec.TEMPLATE_KERNEL
 
 
 def test_on_avx2_a_float_product_of_8_rows_takes_the_micro_kernel_of_8_rows():
     """On AVX2, 8 rows (or 16) multiply as one block of 8 rows by 8 columns, read each weight once for all of them;
     1 or 4 rows keep inductor's preferred 4 rows by 24 columns (its choice made for a graph's product, here outside
     one)."""
-    compiled_module._eight_rows_at_once()  # (imports inductor's kernels in the order they import each other)
-    compiled_module._eight_rows_at_once()  # once is enough: a second call changes nothing
+    internals._eight_rows_at_once()  # (imports inductor's kernels in the order they import each other)
+    internals._eight_rows_at_once()  # once is enough: a second call changes nothing
     from torch._inductor.codegen import cpp_micro_gemm
     from torch._inductor.cpu_vec_isa import VecAVX2
     from torch._inductor.sizevars import SizeVarAllocator
@@ -319,6 +324,39 @@ def test_a_pass_that_does_not_compile_leaves_eager_steps_with_one_line(model, mo
     assert compile_pass(model) is None  # the environment's default, as the tests run
 
 
+def test_a_pass_that_cannot_even_be_built_leaves_eager_steps_with_one_line(model, monkeypatch, capsys):
+    """Inductor's settings and patches are made before anything compiles: where they fail (a torch whose internals
+    moved), the decoder still decodes, eagerly."""
+
+    def moved(templates):
+        raise AttributeError("module 'torch._inductor.config' has no attribute 'cpp'")
+
+    monkeypatch.setattr(internals, "cpu_pass_settings", moved)
+    assert compile_pass(model, True) is None
+    assert "(AttributeError: module 'torch._inductor.config' has no attribute 'cpp'): decoding steps run eagerly" in (
+        capsys.readouterr().err
+    )
+
+
+def test_inductors_patches_are_skipped_outside_the_torch_they_were_written_for_and_a_failure_said(monkeypatch, capsys):
+    monkeypatch.setattr(internals, "_say", lambda line: print(line, file=sys.stderr))  # (said once per process)
+    monkeypatch.setattr(internals, "TORCH", ("2.0",))
+    settings = internals.cpu_pass_settings(True)
+    assert settings["max_autotune"] and "max_autotune_report_choices_stats" not in settings
+    assert f"inductor's patches are written for torch 2.0, not {torch.__version__}: skipped" in capsys.readouterr().err
+    monkeypatch.undo()
+    monkeypatch.setattr(internals, "_say", lambda line: print(line, file=sys.stderr))
+
+    def _accumulators_in_registers():  # (the patch's stand-in, named as it)
+        raise AttributeError("type object 'CppMicroGemmFP32Vec' has no attribute 'TEMPLATE_KERNEL'")
+
+    monkeypatch.setattr(internals, "_accumulators_in_registers", _accumulators_in_registers)
+    assert internals.cpu_pass_settings(True)["max_autotune_report_choices_stats"] is False
+    error = capsys.readouterr().err.splitlines()
+    assert error == ["mtp: accumulators_in_registers skipped (AttributeError: type object 'CppMicroGemmFP32Vec' has no "
+                     "attribute 'TEMPLATE_KERNEL'): passes of 4 and 8 nodes up to 1.5x slower"]  # fmt: skip
+
+
 def test_buckets_are_checked():
     with pytest.raises(ValueError, match=r"buckets=\(4, 1\): give node counts from 1 up, ascending"):
         CompiledPass(Target(tiny_model()), buckets=(4, 1))
@@ -381,12 +419,67 @@ def test_the_vector_instructions_checked_once_on_a_machine_are_trusted_while_the
     mtp keeps what the check found per machine and torch version and, later, skips the check while what the CPU
     reports picks the same set; a record of another set (a changed machine or compiler) checks again."""
     monkeypatch.setenv("MTP_CACHE", str(tmp_path))
-    monkeypatch.setattr(compiled_module.inductor.cpp, "vec_isa_ok", None)
-    with compiled_module.inductor.patch({"cpp.vec_isa_ok": True}):
+    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", None)
+    with inductor_config.patch({"cpp.vec_isa_ok": True}):
         reported = str(pick_vec_isa())
     key = f"{device_name('cpu')}, torch {torch.__version__}"
     for recorded, settings in [(reported, {"cpp.vec_isa_ok": True}), ("another set", {})]:
         (tmp_path / "vector_isa.json").write_text(json.dumps({key: recorded}))
-        assert compiled_module._vector_isa() == settings
-    monkeypatch.setattr(compiled_module.inductor.cpp, "vec_isa_ok", False)  # the user's own setting stays
-    assert compiled_module._vector_isa() == {}
+        assert internals._vector_isa() == settings
+    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", False)  # the user's own setting stays
+    assert internals._vector_isa() == {}
+
+
+def test_two_threads_decoding_with_one_decoder_each_answer_as_plain_greedy(model, compiled, tokenizer):
+    """The first thread to claim the static cache decodes on it, the other eagerly until it is freed; neither
+    disturbs the other, and the cache is free once both end."""
+    decoder = Decoder(model, tokenizer, random_heads(model, num_heads=3), SMALL, compiled=compiled)
+    prompts = [PROMPT, "Name three primary colours:", PROMPT[:12], "Once upon a time"]
+    answers = {}
+
+    def answer(i: int) -> None:
+        answers[i] = decoder.generate(prompts[i], max_new_tokens=30).token_ids
+
+    threads = [threading.Thread(target=answer, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    expected = [reference(model, tokenizer(prompt, return_tensors="pt").input_ids, 30) for prompt in prompts]
+    assert [answers.get(i) for i in range(len(prompts))] == expected
+    assert compiled._holder is None
+
+
+def test_a_stream_interrupted_mid_step_leaves_the_decoder_decoding_the_next_prompt_compiled(model, compiled, tokenizer,
+                                                                                           monkeypatch):  # fmt: skip
+    decoder = Decoder(model, tokenizer, random_heads(model, num_heads=3), SMALL, compiled=compiled)
+    step, steps = Batch.step, []
+
+    def interrupted(batch):
+        steps.append(batch.static)
+        if len(steps) == 3:
+            raise KeyboardInterrupt
+        return step(batch)
+
+    monkeypatch.setattr(Batch, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt) as kept:  # (its traceback kept alive, as a notebook keeps the last one)
+        for _ in decoder.stream(PROMPT, max_new_tokens=30):
+            pass
+    assert steps == [True] * 3 and kept.traceback
+    passes = []
+    monkeypatch.setattr(Batch, "step", lambda batch: passes.append(batch.static) or step(batch))
+    expected = reference(model, tokenizer(PROMPT, return_tensors="pt").input_ids, 30)
+    assert decoder.generate(PROMPT, max_new_tokens=30).token_ids == expected and passes and all(passes)
+
+
+def test_a_row_outgrowing_the_static_cache_goes_on_eagerly_losslessly_said_once(model, compiled, tokenizer, monkeypatch,
+                                                                                 capsys):  # fmt: skip
+    decoder = Decoder(model, tokenizer, random_heads(model, num_heads=3), SMALL, compiled=compiled)
+    monkeypatch.setattr(compiled, "_outgrown", False)
+    for words in (28, 22):  # a prompt past the cache's 256 slots; one that its answer takes past them
+        prompt = " ".join(["three four five"] * words)
+        input_ids = tokenizer(prompt, return_tensors="pt").input_ids
+        assert (input_ids.shape[1] > compiled.length) == (words == 28)
+        assert decoder.generate(prompt, max_new_tokens=60).token_ids == reference(model, input_ids, 60)
+    said = capsys.readouterr().err.splitlines()
+    assert len(said) == 1 and said[0].startswith("mtp: a row of ") and "outgrows the compiled pass's 256" in said[0]

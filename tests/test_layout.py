@@ -2,6 +2,7 @@
 function to dodge one)."""
 
 import ast
+import re
 import subprocess
 import sys
 
@@ -98,3 +99,13 @@ def test_no_function_or_class_name_is_defined_twice_in_the_package():
             if isinstance(node, ast.FunctionDef | ast.ClassDef) and node.name != "main":
                 where.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
     assert {name: paths for name, paths in where.items() if len(paths) > 1} == {}
+
+
+def test_only_mtp_internals_touches_private_names_of_torch_and_transformers():
+    """What torch, inductor and transformers do not publish moves between their releases: `mtp.internals` holds every
+    reach into it, with the versions it was written for; no other module of mtp names a private module, function or
+    attribute of theirs."""
+    private = re.compile(r"\b(torch|transformers)(\.\w+)*\._[a-zA-Z]|\._(version|attn_implementation)\b")
+    found = {path.relative_to(ROOT).as_posix(): [line for line in path.read_text().splitlines() if private.search(line)]
+             for path in sorted((ROOT / "mtp").rglob("*.py"))}  # fmt: skip
+    assert found.pop("mtp/internals.py") and {path: lines for path, lines in found.items() if lines} == {}

@@ -83,7 +83,7 @@ class Batch:
         max_length = max_length or self.target.context or sys.maxsize
         if self.rows:
             if self.static:  # a second row: eager passes over a dynamic cache from here on
-                self.cache = self.compiled.unload(self.slots.shape[1])
+                self.cache = self.leave_static()
             self.slots = append_rows(self.cache, self.slots, cache, slots)
         elif self.compiled is not None and self.compiled.claim(self, input_ids.shape[1]):
             self.cache, self.slots = self.compiled.load(cache), slots
@@ -99,6 +99,17 @@ class Batch:
         """Whether the rows' cache is the compiled pass's static one (a lone row that fits it)."""
         return self.compiled is not None and self.cache is self.compiled.cache
 
+    def leave_static(self) -> DynamicCache:
+        """The rows' cache moved off the compiled pass's static one (for eager steps from here on), which is freed."""
+        cache = self.compiled.unload(self.slots.shape[1])
+        self.release()
+        return cache
+
+    def release(self) -> None:
+        """Free the compiled pass's static cache, if this batch holds it, for the next batch."""
+        if self.compiled is not None:
+            self.compiled.release(self)
+
     def keep(self, rows: list[bool]) -> None:
         """Keep the rows marked True, in order; the others leave the batch."""
         if all(rows):
@@ -110,6 +121,7 @@ class Batch:
             self.slots = keep_rows(self.cache, self.slots, torch.tensor(rows, device=self.device))
         else:
             self.cache, self.slots = DynamicCache(), None
+            self.release()
 
     def propose(self, plan: Plan) -> tuple[list[Tree], list[torch.Tensor]]:
         """Each row's tree and its tokens (N_b+1,) by `plan`: every drafter's candidates in turn, none past the
@@ -157,7 +169,8 @@ class Batch:
                 mask[b, : tree.size, : tree.size] = tree.mask
             positions = prefix_lens[:, None] + depths  # (B, Q)
             if self.static and not self.compiled.holds(self.slots.shape[1], size):  # past the static cache's end
-                self.cache = self.compiled.unload(self.slots.shape[1])
+                self.compiled.outgrown(self.slots.shape[1])
+                self.cache = self.leave_static()
             if self.static:
                 return self.compiled.run(batch, positions, mask, self.slots, self.every_layer)
             attention = tree_attention_mask(mask, positions, self.slots, self.target.windows, self.target.dtype)

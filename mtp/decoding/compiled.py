@@ -27,34 +27,34 @@ copy, 5.1 GB). It is kept under mtp's cache folder (`passes/`, about 4 MB for Sm
 transformers, the model's configuration and its weights, the buckets: the first load on a machine compiles (under 2
 minutes for SmolLM2's buckets 1, 4 and 8 on the 2-core AVX2 EPYC), a later process loads it in seconds. A decoder
 compiles the buckets it can use (plain decoding: bucket 1 alone, `compile_pass`). A package runs no Python and
-checks no guards between kernels. The linears stay matrix products of the frozen weights (`_unpacked_linears`) and
-the CPU's vector instructions are checked once per machine (`_vector_isa`).
+checks no guards between kernels. Inductor's settings for it, and its patches of inductor's code
+generation (the linears kept matrix products of the frozen weights, the micro-kernel's accumulators in registers, 8
+rows at once, the CPU's vector instructions checked once per machine), are in `mtp.internals`.
 """
 
-import dataclasses
 import hashlib
 import os
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from contextlib import ExitStack
-from functools import cache, cached_property, partial
+from functools import cached_property, partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import transformers
-from torch._inductor import config as inductor
-from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, StaticLayer
 
+from mtp import internals
 from mtp.decoding import constants
 from mtp.decoding.cache import grouped_keys, tree_attention_mask
 from mtp.decoding.target import States, Target
 from mtp.linears import usual_linears
-from mtp.machine import cache_dir, device_name, measured
+from mtp.machine import cache_dir, device_name
 
 BUCKETS = (1, 4, 8)  # node counts compiled, a tree padded up to the next (each 1 min to compile on 2 cores; 16 nodes
 # compiled ran no faster than eagerly on the Zen 4 EPYC: docs/reference-runs.md#compiled-passes)
@@ -78,7 +78,7 @@ class CompiledPass:
             compile faster: tests). Autotuning timed each product alone with its weight in the CPU's cache and, in
             float32, chose ATen's for two of SmolLM2's products at 8 rows, where the pass streams every weight from
             memory: that pass took 45.5 ms, against 34.6 ms with the templates alone (the 2-core Zen 4 EPYC); in
-            bfloat16, with the micro-kernel of `_accumulators_in_registers`, an 8-node pass took 25.9 ms with the
+            bfloat16, with the micro-kernel of `mtp.internals`, an 8-node pass took 25.9 ms with the
             templates alone against 30.2 autotuned against oneDNN's products.
     """
 
@@ -89,7 +89,7 @@ class CompiledPass:
         self.target, self.every_layer, self.buckets = target, every_layer, tuple(buckets)
         self.length = min(length, target.context or length)
         self.cache = _SeenCache(layers=[StaticLayer(self.length) for _ in range(target.num_layers)])
-        if os.environ.get(INDUCTOR_DIR, default_cache_dir()) == default_cache_dir():  # unless the user chose one
+        if os.environ.get(INDUCTOR_DIR, internals.inductor_cache_default()) == internals.inductor_cache_default():
             os.environ[INDUCTOR_DIR] = str(cache_dir() / "inductor")  # kernels and autotuning kept beside mtp's
         # inductor's settings for tracing and compiling, set around each call: `torch.compile(options=...)` would
         # not freeze the weights (the tracer reads `freezing` from the global config)
@@ -97,17 +97,9 @@ class CompiledPass:
         if target.device.type == "cuda":  # replayed as a CUDA graph: one launch per pass
             self.settings["triton.cudagraphs"] = True
         else:
-            self.settings |= {"max_autotune": templates, "max_autotune_gemm_backends": "CPP",
-                              "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False,
-                              "fx_graph_cache": False, "aot_inductor.package_constants_in_so": False}
-            # (no table nor line per product on stderr; no graph from inductor's cache, whose key holds no template
-            # text: it could give back kernels made before `_accumulators_in_registers`)
-            self.settings |= _vector_isa()
-            _unpacked_linears()
-            _templates_parsed_once()
-            _accumulators_in_registers()
-            _eight_rows_at_once()
+            self.settings |= internals.cpu_pass_settings(templates)
         self._holder = None  # a weak reference to the batch decoding on the static cache
+        self._claiming, self._outgrown = threading.Lock(), False
         # a class of its own: the one guard kept on the module is its type, which finds this pass's graphs (its
         # frozen weights, its cache), not those of another pass compiled in the process
         self._forward = type("_Pass", (_Pass,), {})(target, self.cache, every_layer)
@@ -115,19 +107,38 @@ class CompiledPass:
         self._package_loaded = None
         self._compiled = None
         if not self._packaged:
-            torch._dynamo.config.recompile_limit += 2 * len(buckets) + 2  # graphs of every pass made in the process
+            internals.allow_recompiles(2 * len(buckets) + 2)  # graphs of every pass made in the process
             self._compiled = torch.compile(self._forward, dynamic=False, options={"guard_filter_fn": _guards})
 
     def claim(self, batch, filled: int) -> bool:
         """Give the static cache to the lone row of `batch` (`mtp.decoding.batch.Batch`), `filled` slots long, unless
-        its drafters read hidden states this pass does not give, it does not fit, or another batch still decodes on
-        the cache (two streams of one decoder interleaved: the second decodes eagerly)."""
-        holder = self._holder and self._holder()
-        taken = holder is not None and holder is not batch and holder.static
-        if taken or (batch.every_layer and not self.every_layer) or not self.holds(filled, 1):
+        its drafters read hidden states this pass does not give, it does not fit (said once), or another batch holds
+        the cache (two streams of one decoder interleaved, or two threads decoding: the second decodes eagerly). The
+        batch holds it until `release`."""
+        if batch.every_layer and not self.every_layer:
             return False
-        self._holder = weakref.ref(batch)
+        if not self.holds(filled, 1):
+            self.outgrown(filled)
+            return False
+        with self._claiming:
+            holder = self._holder and self._holder()
+            if holder is not None and holder is not batch:
+                return False
+            self._holder = weakref.ref(batch)
         return True
+
+    def release(self, batch) -> None:
+        """`batch` no longer decodes on the static cache: the next batch may claim it."""
+        with self._claiming:
+            if self._holder is not None and self._holder() is batch:
+                self._holder = None
+
+    def outgrown(self, filled: int) -> None:
+        """Say, once per pass, that a row of `filled` slots outgrows the static cache, so its steps run eagerly."""
+        if not self._outgrown:
+            self._outgrown = True
+            print(f"mtp: a row of {filled} tokens outgrows the compiled pass's {self.length} slots: its steps run "
+                  "eagerly from here (the same output, slower)", file=sys.stderr)  # fmt: skip
 
     def holds(self, filled: int, queries: int) -> bool:
         """Whether the static cache has room for a pass over `queries` nodes after `filled` slots."""
@@ -181,7 +192,7 @@ class CompiledPass:
             hidden, logits, states = self._package(inputs)(*inputs)
         else:
             for each in mask.values() if isinstance(mask, dict) else [mask]:  # (1, 1, S, T+S): one graph for every
-                torch._dynamo.mark_dynamic(each, 3, min=2, max=self.length - 1)  # T (attention reads T+S slots)
+                internals.mark_dynamic(each, 3, 2, self.length - 1)  # T (attention reads T+S slots)
             with self._tracing():
                 hidden, logits, states = (self._compiled if bucket else self._forward)(tokens, positions, mask)
         if every_layer and states is None:
@@ -222,7 +233,7 @@ class CompiledPass:
         products (which inductor packs itself) and inductor's settings."""
         stack = ExitStack()
         for context in (grouped_keys(self.target.device.type == "cpu"), usual_linears(self.target.backbone),
-                        usual_linears(self.target.lm_head), inductor.patch(self.settings)):  # fmt: skip
+                        usual_linears(self.target.lm_head), internals.inductor_settings(self.settings)):  # fmt: skip
             stack.enter_context(context)
         return stack
 
@@ -257,14 +268,14 @@ class CompiledPass:
                     dynamic_shapes=(rows, rows, shapes, (None,) * (len(inputs) - 3)),
                 )
                 path.parent.mkdir(parents=True, exist_ok=True)
-                with tempfile.TemporaryDirectory(dir=path.parent) as staging, constants.recorded() as made:
+                with tempfile.TemporaryDirectory(dir=path.parent) as staging, internals.recorded() as made:
                     package = _compile(exported, f"{staging}/{path.name}", self.settings)
                     constants.save(path, *constants.recipes_for(made, self._tensors))
                     made.clear()
                     os.replace(package, path)  # written aside, then renamed: never half a package
             del exported
             constants.free_memory()  # what compiling took
-        package = torch._inductor.aoti_load_package(str(path))
+        package = internals.load_package(str(path))
         self._constants = constants.supply(path, self._tensors)  # kept alive: the package reads them in place
         constants.free_memory()  # what blocking the weights took
         constants.check(package.get_constant_fqns(), self._constants)
@@ -301,148 +312,14 @@ def _compile(exported, path: str, settings: dict) -> str:
     templates alone cannot compute every product (a product of two activations, as attention written as matrix
     products computes), the products are autotuned against ATen's instead."""
     try:
-        return torch._inductor.aoti_compile_and_package(exported, package_path=path, inductor_configs=dict(settings))
+        return internals.compile_package(exported, path, settings)
     except Exception as error:
         causes = [error]
         while causes[-1].__cause__ or causes[-1].__context__:
             causes.append(causes[-1].__cause__ or causes[-1].__context__)
         if not any(type(cause).__name__ == "NoValidChoicesError" for cause in causes):
             raise
-    settings = settings | {"max_autotune_gemm_backends": "CPP,ATEN"}
-    return torch._inductor.aoti_compile_and_package(exported, package_path=path, inductor_configs=settings)
-
-
-def _unpacked_linears() -> None:
-    """Keep the linear products as matrix products when freezing (no weight packed for MKL), for the process: they
-    reach inductor as products of frozen weights, which it lowers to its C++ GEMM templates, and no weight becomes a
-    oneDNN tensor (which inductor's FX graph cache could not save, when `torch.compile` compiled the CPU's pass).
-    (Inductor registers its freezing passes once per process, here without the packing; a pass compiled before in
-    the process keeps it.)"""
-    from torch._inductor.fx_passes.freezing_patterns import lazy_init
-
-    with inductor.patch({"cpp.weight_prepack": False}):
-        lazy_init()
-
-
-def _templates_parsed_once() -> None:
-    """Let inductor parse each of its C++ kernel templates once in the process, not once per product rendered: it
-    parses the same few Jinja sources again for each of the 211 products of SmolLM2's pass, twice (22 of the 97 s that
-    one node count's package took to compile on the 2-core Zen 4 EPYC). A parsed template renders any options."""
-    from torch._inductor.codegen.common import KernelTemplate
-
-    parse = KernelTemplate._template_from_string
-    if not hasattr(parse, "cache_info"):
-        KernelTemplate._template_from_string = staticmethod(cache(parse))
-
-
-# inductor's C++ micro-kernel for products accumulated in float (`CppMicroGemmFP32Vec`), its common case (B not
-# transposed, no tail along N): the accumulators, B's vectors and A's broadcast element as plain loops over arrays,
-# and B's row 48 steps ahead fetched into the cache
-_MICRO_KERNEL = r"""
-{%- if not trans_b and not tail_n and compute_t == "float"
-      and input2_dtype in [torch.float, torch.bfloat16, torch.half] %}
-    constexpr auto VLEN = Vectorized::size();
-    constexpr int ROWS = BLOCK_M;
-    constexpr int COLS = BLOCK_N / VLEN;
-    Vectorized vc[ROWS * COLS];
-    #pragma GCC unroll 64
-    for (int i = 0; i < ROWS * COLS; i++) {
-        if constexpr (accum) {
-            vc[i] = Vectorized::loadu(C + (i / COLS) * ldc + (i % COLS) * VLEN);
-        } else {
-            vc[i] = Vectorized(0.0f);
-        }
-    }
-    for (int64_t k = 0; k < K; ++k) {
-    #if defined(__GNUC__)
-        #pragma GCC unroll 8
-        for (int i = 0; i < BLOCK_N; i += 64 / sizeof(*B)) {  // every cache line of B's row 48 steps ahead
-            __builtin_prefetch(B + (k + 48) * ldb + i, 0, 3);
-        }
-    #endif
-        Vectorized vb[COLS];
-        #pragma GCC unroll 16
-        for (int c = 0; c < COLS; c++) {
-    {%- if input2_dtype == torch.float %}
-            vb[c] = Vectorized::loadu(B + k * ldb + c * VLEN);
-    {%- else %}
-            at::vec::load_to_float(B + k * ldb + c * VLEN, vb[c]);
-    {%- endif %}
-        }
-        #pragma GCC unroll 16
-        for (int r = 0; r < ROWS; r++) {
-            Vectorized va(static_cast<float>(A[r * lda + k]){% if alpha != 1 %} * {{alpha}}{% endif %});
-            #pragma GCC unroll 16
-            for (int c = 0; c < COLS; c++) {
-                vc[r * COLS + c] = at::vec::fmadd(va, vb[c], vc[r * COLS + c]);
-            }
-        }
-    }
-    #pragma GCC unroll 64
-    for (int i = 0; i < ROWS * COLS; i++) {
-        vc[i].store(C + (i / COLS) * ldc + (i % COLS) * VLEN);
-    }
-{%- elif not trans_b %}
-    constexpr auto VLEN"""
-
-
-def _accumulators_in_registers() -> None:
-    """Inductor's C++ micro-kernel for products accumulated in float, in its common case, as plain loops (above), for
-    the process. GCC 12 compiles the template's form (generic lambdas unrolled over arrays of vectors) into a store of
-    every accumulator to the stack at each step along K, 24 stores for the 24 multiply-adds of an 8-row block: that held
-    the C++ templates to about 70 GFLOP/s on the 2-core Zen 4 EPYC, where MKL computes 180, and an 8-node pass of
-    SmolLM2 to 1.7 one-node passes. As loops GCC keeps the accumulators in registers: SmolLM2's products over 8 rows
-    took 16-18 ms against 31-32 (docs/reference-runs.md). Each step also fetches B's row 48 steps ahead: a block of
-    4 rows computes 4 multiply-adds per weight it streams from memory, and without the prefetch the pass over 4 nodes
-    cost 1.3-1.5 one-node passes on the AVX2 EPYC, with it 1.02-1.07. Left as it is where this torch's template
-    differs."""
-    import torch._inductor.lowering  # noqa: F401  (imports inductor's kernels in the order they import each other)
-    from torch._inductor.codegen.cpp_micro_gemm import CppMicroGemmFP32Vec as Kernel
-
-    common = "\n{%- if not trans_b %}\n    constexpr auto VLEN"
-    if Kernel.TEMPLATE_KERNEL.count(common) == 1:
-        Kernel.TEMPLATE_KERNEL = Kernel.TEMPLATE_KERNEL.replace(common, _MICRO_KERNEL)
-
-
-def _eight_rows_at_once() -> None:
-    """On AVX2, a float32 product of 8 rows (or a multiple of 8) takes inductor's micro-kernel of 8 rows by 8 columns,
-    for the process. Inductor prefers 4 rows by 24 columns (more accumulators): it multiplies 8 rows as two blocks
-    one after the other, the first streaming each block of weights from memory, the second reading it again from the
-    cache while memory waits. 8 rows at once read each weight once for all 8: the 8-node pass took 1.26-1.28 one-node
-    passes on the AVX2 EPYC, against 1.74-1.84 (`benchmarks/compiled_steps.py`, alternated). Other row counts and
-    instruction sets (AVX-512 takes 8 rows a block already) keep inductor's choice."""
-    import torch._inductor.lowering  # noqa: F401  (imports inductor's kernels in the order they import each other)
-    from torch._inductor.codegen import cpp_micro_gemm as micro
-    from torch._inductor.cpu_vec_isa import VecAVX2
-
-    configs = micro.micro_gemm_configs.get(micro.CppMicroGemmFP32Vec, [])
-    for index, config in enumerate(configs):
-        if (config.vec_isa_cls is VecAVX2 and config.input_dtype == config.input2_dtype == torch.float
-                and config.register_blocking.block_m == 4 and config.extra_check is None):  # fmt: skip
-            configs[index] = dataclasses.replace(config, extra_check=_not_eight_rows)
-
-
-def _not_eight_rows(config, m: int, *args, **kwargs) -> bool:
-    """A micro-kernel configuration's check: not for a product of a multiple of 8 rows."""
-    return m % 8 != 0
-
-
-def _vector_isa() -> dict:
-    """Inductor's setting for the CPU's vector instructions. Inductor checks every instruction set the CPU reports
-    by compiling a program and loading it in a child Python, in every process (24 s on the 2-core Zen 4 EPYC); mtp
-    lets it check once per machine and torch version (kept in `$MTP_CACHE/vector_isa.json`), and later trusts what
-    the CPU reports while that names the same instruction set. {} where the user set `cpp.vec_isa_ok`."""
-    from torch._inductor.cpu_vec_isa import pick_vec_isa, valid_vec_isa_list
-
-    if inductor.cpp.vec_isa_ok is not None:
-        return {}
-    key = f"{device_name('cpu')}, torch {torch.__version__}"
-    checked = measured("vector_isa.json", key, lambda: str(pick_vec_isa()))
-    valid_vec_isa_list.cache_clear()  # computed again under the setting that applies
-    with inductor.patch({"cpp.vec_isa_ok": True}):
-        trusted = str(pick_vec_isa()) == checked
-    valid_vec_isa_list.cache_clear()
-    return {"cpp.vec_isa_ok": True} if trusted else {}
+    return internals.compile_package(exported, path, settings | {"max_autotune_gemm_backends": "CPP,ATEN"})
 
 
 def _guards(entries) -> list[bool]:
@@ -535,10 +412,10 @@ def compile_pass(base_model, compile: bool | None = None, every_layer: bool = Fa
     if not compile:
         return None
     buckets = BUCKETS[: sum(size < nodes for size in BUCKETS) + 1]  # up to the first that holds `nodes`
-    compiled = CompiledPass(Target(base_model), every_layer, buckets)
     try:
+        compiled = CompiledPass(Target(base_model), every_layer, buckets)
         compiled.warm_up()
-    except Exception as error:  # a model or device that inductor cannot compile: eager steps, as before
+    except Exception as error:  # a model, device or torch that inductor cannot compile for: eager steps, as before
         print(f"\nmtp: could not compile {base_model.config.model_type}'s verification pass "
               f"({error.__class__.__name__}: {str(error).splitlines()[0][:200]}): decoding steps run eagerly",
               file=sys.stderr)  # fmt: skip

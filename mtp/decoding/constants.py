@@ -15,34 +15,11 @@ import json
 import mmap
 import re
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-
-
-@contextmanager
-def recorded() -> Iterator[dict[str, torch.Tensor]]:
-    """Inside this block, every constant that inductor allocates for an ahead-of-time graph, by the name the package
-    gives it (its loader keys constants by these names: names it reports can be shared by several constants)."""
-    from torch._inductor.graph import GraphLowering  # (inductor's internals, reached only when compiling)
-
-    made, allocate = {}, GraphLowering.allocate_non_dup_const_name
-
-    def recording(graph, name, data):
-        allocated = allocate(graph, name, data)
-        if graph.aot_mode:
-            made[allocated] = data
-        return allocated
-
-    GraphLowering.allocate_non_dup_const_name = recording
-    try:
-        yield made
-    finally:
-        GraphLowering.allocate_non_dup_const_name = allocate
 
 
 def blocked(weight: torch.Tensor, bn: int, out: torch.Tensor | None = None) -> torch.Tensor:

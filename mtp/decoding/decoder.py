@@ -216,20 +216,23 @@ class Decoder:
         self.pacer.prepare(min(batch_size, len(prompts)))
         stop = [s for s in stop if s]
         batch, answers, waiting = self.batch(sampling), [], list(range(len(prompts)))[::-1]
-        while waiting or answers:
-            if waiting and len(answers) < batch_size:  # a prompt joins: its prefill settles its first token
-                i = waiting.pop()
-                answers.append(_Answer(i, results[i], max_new_tokens, stop, time.perf_counter()))
-                number = i if numbers is None else numbers[i]
-                passes = [(answers[-1], ([batch.add(encoded[i], max_lengths[i], number)], {}), False)]
-            else:
-                passes = [(answer, settled, True) for answer, settled in zip(answers, batch.step(), strict=True)]
-            for answer, (settled, accepted_by), verified in passes:
-                text = answer.take(self.tokenizer, self.eos_ids, settled, accepted_by, verified)
-                if text or answer.done:
-                    yield answer.index, text, answer.done
-            batch.keep([not answer.done for answer in answers])
-            answers = [answer for answer in answers if not answer.done]
+        try:
+            while waiting or answers:
+                if waiting and len(answers) < batch_size:  # a prompt joins: its prefill settles its first token
+                    i = waiting.pop()
+                    answers.append(_Answer(i, results[i], max_new_tokens, stop, time.perf_counter()))
+                    number = i if numbers is None else numbers[i]
+                    passes = [(answers[-1], ([batch.add(encoded[i], max_lengths[i], number)], {}), False)]
+                else:
+                    passes = [(answer, settled, True) for answer, settled in zip(answers, batch.step(), strict=True)]
+                for answer, (settled, accepted_by), verified in passes:
+                    text = answer.take(self.tokenizer, self.eos_ids, settled, accepted_by, verified)
+                    if text or answer.done:
+                        yield answer.index, text, answer.done
+                batch.keep([not answer.done for answer in answers])
+                answers = [answer for answer in answers if not answer.done]
+        finally:  # ended, or interrupted (an exception, a stream left unfinished): the static cache freed
+            batch.release()
 
 
 @dataclass

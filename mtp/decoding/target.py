@@ -7,6 +7,7 @@ from transformers import PreTrainedModel
 
 from mtp.base import eos_ids
 from mtp.decoding.cache import attention_windows
+from mtp.internals import attention_implementation
 
 
 @dataclass
@@ -44,9 +45,10 @@ class Target:
     the length past which its RoPE changes every position's frequencies."""
 
     def __init__(self, base_model: PreTrainedModel):
-        if base_model.config._attn_implementation not in ("eager", "sdpa"):
+        attention = attention_implementation(base_model.config)
+        if attention not in ("eager", "sdpa"):
             raise ValueError(
-                f"Attention implementation {base_model.config._attn_implementation!r} of "
+                f"Attention implementation {attention!r} of "
                 f"{base_model.config.model_type} takes no custom 4D tree mask: load it with attn_implementation='sdpa'."
             )
         self.backbone = base_model.get_decoder()
