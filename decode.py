@@ -58,9 +58,13 @@ def typed_turns():
 @user_errors
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--drafter", "--heads", help="drafter folder or Hub repository id (default: "
-                        f"{SHIPPED_HEADS.relative_to(Path(__file__).parent)}, unless --base-model is given: then "
-                        "decoding of it without heads)")  # fmt: skip
+    parser.add_argument(
+        "--drafter",
+        "--heads",
+        help="drafter folder or Hub repository id (default: "
+        f"{SHIPPED_HEADS.relative_to(Path(__file__).parent)}, unless --base-model is given: then "
+        "decoding of it without heads)",
+    )
     parser.add_argument("--base-model", help=f"base model to use (default: the heads' own, else {DEFAULT_BASE})")
     parser.add_argument("--prompt", help="one prompt (sent as a user message when the model has a chat template)")
     parser.add_argument("--prompts-file", help="JSON lines with `turns` (MT-Bench), `prompt` or `text`")
@@ -69,22 +73,34 @@ def main() -> None:
     parser.add_argument("--tree", help=TREE_HELP)
     add_sampling_arguments(parser)
     add_lookup_arguments(parser)
-    parser.add_argument("--batch-size", type=int, default=1, help="answer B prompts of --prompts-file together, "
-                        "one verification pass over all their trees per step (turn k of every conversation, then "
-                        "turn k + 1)")  # fmt: skip
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=1,
+        help="answer B prompts of --prompts-file together, "
+        "one verification pass over all their trees per step (turn k of every conversation, then "
+        "turn k + 1)",
+    )
     parser.add_argument("--stream", action="store_true", help="print text as it is accepted")
     parser.add_argument("--json", action="store_true", help="one JSON object per answer on stdout")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     add_weights_argument(parser)
-    parser.add_argument("--no-compile", dest="compile", action="store_false", default=None,
-                        help="eager verification passes: no compiling at load (see mtp.decoding.compiled; "
-                        "--batch-size above 1 never compiles)")
+    parser.add_argument(
+        "--no-compile",
+        dest="compile",
+        action="store_false",
+        default=None,
+        help="eager verification passes: no compiling at load (see mtp.decoding.compiled; "
+        "--batch-size above 1 never compiles)",
+    )
     args = parser.parse_args()
     interactive = args.prompt is None and args.prompts_file is None
     if args.batch_size < 1 or (args.batch_size > 1 and (args.stream or interactive)):
-        raise SystemExit(f"--batch-size {args.batch_size}: give B >= 1; B > 1 answers a --prompts-file or --prompt, "
-                         "without --stream.")  # fmt: skip
+        raise SystemExit(
+            f"--batch-size {args.batch_size}: give B >= 1; B > 1 answers a --prompts-file or --prompt, "
+            "without --stream."
+        )
     dtype = getattr(torch, args.dtype)
     sampling = sampling_from(args)
     if args.batch_size > 1:  # batches of several prompts run eager passes: nothing to compile for
@@ -92,8 +108,16 @@ def main() -> None:
     if args.drafter is None and args.base_model is None:
         args.drafter = str(SHIPPED_HEADS)
     if args.drafter:
-        decoder = mtp.load(args.drafter, args.device, dtype, args.tree, args.base_model, lookup_from(args),
-                           compile=args.compile, weights=args.weights)  # fmt: skip
+        decoder = mtp.load(
+            args.drafter,
+            args.device,
+            dtype,
+            args.tree,
+            args.base_model,
+            lookup_from(args),
+            compile=args.compile,
+            weights=args.weights,
+        )
     else:
         model, tokenizer = load_base(args.base_model or DEFAULT_BASE, args.device, dtype, weights=args.weights)
         lookup = lookup_from(args)  # without it, plain decoding: passes over one node
@@ -118,8 +142,11 @@ def main() -> None:
             messages.append({"role": "assistant", "content": result.text})
             report((c, k, turn), result, args, totals, result.seconds, streamed=args.stream or interactive)
     tokens, passes, seconds = totals
-    print(f"tau {tokens / max(passes, 1):.2f} ({tokens} tokens, {passes} verification passes), "
-          f"{tokens / max(seconds, 1e-9):.1f} tokens/s", file=sys.stderr)  # fmt: skip
+    print(
+        f"tau {tokens / max(passes, 1):.2f} ({tokens} tokens, {passes} verification passes), "
+        f"{tokens / max(seconds, 1e-9):.1f} tokens/s",
+        file=sys.stderr,
+    )
 
 
 def answer_in_batches(decoder: Decoder, conversations: list[list[str]], chat: bool, args, sampling, totals) -> None:
@@ -139,19 +166,32 @@ def answer_in_batches(decoder: Decoder, conversations: list[list[str]], chat: bo
             report((c, k, conversations[c][k]), result, args, totals, seconds / len(asked), streamed=False)
 
 
-def report(asked: tuple[int, int, str], result: GenerationResult, args, totals: list, seconds: float,
-           streamed: bool) -> None:  # fmt: skip
+def report(
+    asked: tuple[int, int, str], result: GenerationResult, args, totals: list, seconds: float, streamed: bool
+) -> None:
     """Print the answer to `asked` (conversation and turn, from 0, and the turn's text) as a JSON line with --json,
     as text unless it was streamed, and add it to `totals`; `seconds`: its share of the wall-clock time."""
     conversation, turn_number, turn = asked
     totals[:] = [totals[0] + len(result.token_ids), totals[1] + result.forward_passes, totals[2] + seconds]
     if args.json:
-        print(json.dumps({"conversation": conversation, "turn": turn_number, "prompt": turn, "text": result.text,
-                          "tokens": len(result.token_ids), "forward_passes": result.forward_passes,
-                          "tau": round(result.tau, 3),
-                          "acceptance": result.acceptance.report(), "finish_reason": result.finish_reason,
-                          "stop_sequence": result.stop_sequence,
-                          "tokens_per_second": round(result.tokens_per_second, 2)}), flush=True)  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "conversation": conversation,
+                    "turn": turn_number,
+                    "prompt": turn,
+                    "text": result.text,
+                    "tokens": len(result.token_ids),
+                    "forward_passes": result.forward_passes,
+                    "tau": round(result.tau, 3),
+                    "acceptance": result.acceptance.report(),
+                    "finish_reason": result.finish_reason,
+                    "stop_sequence": result.stop_sequence,
+                    "tokens_per_second": round(result.tokens_per_second, 2),
+                }
+            ),
+            flush=True,
+        )
     elif not streamed:
         print(result.text)
 

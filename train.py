@@ -27,12 +27,24 @@ def launched_nodes() -> int:
 
 
 # a recipe's `model:` keys that now sit in a group of their own (`model.<group>.<key>`)
-MOVED = {"head_type": "drafter.head_type", "num_heads": "drafter.num_heads", "num_layers": "drafter.num_layers",
-         "lm_head": "drafter.lm_head", "feature_layers": "drafter.feature_layers", "draft_vocab": "drafter.draft_vocab",
-         "init_heads": "drafter.init", "loss_decay": "loss.decay", "loss_weights": "loss.weights",
-         "teacher": "loss.teacher", "feature_noise": "loss.feature_noise", "feature_loss": "loss.feature_loss",
-         "loss_chunk": "loss.chunk", "lr": "optim.lr", "weight_decay": "optim.weight_decay",
-         "warmup_steps": "optim.warmup_steps"}  # fmt: skip
+MOVED = {
+    "head_type": "drafter.head_type",
+    "num_heads": "drafter.num_heads",
+    "num_layers": "drafter.num_layers",
+    "lm_head": "drafter.lm_head",
+    "feature_layers": "drafter.feature_layers",
+    "draft_vocab": "drafter.draft_vocab",
+    "init_heads": "drafter.init",
+    "loss_decay": "loss.decay",
+    "loss_weights": "loss.weights",
+    "teacher": "loss.teacher",
+    "feature_noise": "loss.feature_noise",
+    "feature_loss": "loss.feature_loss",
+    "loss_chunk": "loss.chunk",
+    "lr": "optim.lr",
+    "weight_decay": "optim.weight_decay",
+    "warmup_steps": "optim.warmup_steps",
+}
 
 
 def moved_keys(args: list[str]) -> list[str]:

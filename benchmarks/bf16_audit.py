@@ -36,8 +36,14 @@ def audit(decoder, messages: list[dict], max_new_tokens: int) -> dict:
     model = decoder.base_model
     input_ids = decoder.encode(messages).to(model.device)
     with usual_linears(model):  # plain decoding as users run it
-        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
     eos = eos_ids(model)
     plain = out.sequences[0, input_ids.shape[1] :].tolist()  # up to its first EOS, which it keeps
     plain = plain[: next((i + 1 for i, t in enumerate(plain) if t in eos), len(plain))]
@@ -57,11 +63,15 @@ def audit(decoder, messages: list[dict], max_new_tokens: int) -> dict:
     return row | {
         "one_pass_max_difference_in_spacings": float((whole - logits[at]).abs().max()) / unit,
         "one_pass_plain_vs_mtp_token_in_spacings": float(whole[plain[at]] - whole[ours[at]]) / unit,
-        "first_difference": at, "plain_token": plain[at], "mtp_token": ours[at], "plain_top2": top.indices.tolist(),
-        "mtp_token_rank": int((logits[at] > logits[at, ours[at]]).sum()), "top1_logit": float(top.values[0]),
+        "first_difference": at,
+        "plain_token": plain[at],
+        "mtp_token": ours[at],
+        "plain_top2": top.indices.tolist(),
+        "mtp_token_rank": int((logits[at] > logits[at, ours[at]]).sum()),
+        "top1_logit": float(top.values[0]),
         "gap_in_spacings": float(top.values[0] - top.values[1]) / unit,
         "plain_vs_mtp_token_in_spacings": float(logits[at, plain[at]] - logits[at, ours[at]]) / unit,
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -77,34 +87,45 @@ def main() -> None:
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     decoder = mtp.load(args.drafter, args.device, dtype)
-    questions = [q for q in read_rows(args.questions)[: args.limit]
-                 if not args.question_ids or q.get("question_id") in args.question_ids]  # fmt: skip
+    questions = [
+        q
+        for q in read_rows(args.questions)[: args.limit]
+        if not args.question_ids or q.get("question_id") in args.question_ids
+    ]
     rows = []
     for question in tqdm(questions, desc="audit", unit="question"):
         prompt = question["turns"][0] if "turns" in question else question["prompt"]
-        rows.append({"question_id": question.get("question_id")} | audit(decoder, [{"role": "user", "content": prompt}],
-                                                                        args.max_new_tokens))  # fmt: skip
+        rows.append(
+            {"question_id": question.get("question_id")}
+            | audit(decoder, [{"role": "user", "content": prompt}], args.max_new_tokens)
+        )
     tokens = [row for row in rows if row["differs"]]
     near = [row for row in tokens if row["plain_vs_mtp_token_in_spacings"] <= 2]
     summary = {
-        "questions": len(rows), "differing": len(tokens), "flipped_within_2_spacings": len(near),
+        "questions": len(rows),
+        "differing": len(tokens),
+        "flipped_within_2_spacings": len(near),
         "largest_flip_in_spacings": max((row["plain_vs_mtp_token_in_spacings"] for row in tokens), default=None),
         "largest_top2_gap_in_spacings": max((row["gap_in_spacings"] for row in tokens), default=None),
-    }  # fmt: skip
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"settings": vars(args), "summary": summary, "questions": rows}, indent=1))
-    print(f"{args.dtype}: {len(tokens)} of {len(rows)} answers differ from plain greedy; in {len(near)} of them the "
-          f"first differing token's logit was within 2 spacings of plain decoding's token in plain decoding's own "
-          f"pass (largest {summary['largest_flip_in_spacings']}; top-2 gaps at most "
-          f"{summary['largest_top2_gap_in_spacings']} spacings)")  # fmt: skip
+    print(
+        f"{args.dtype}: {len(tokens)} of {len(rows)} answers differ from plain greedy; in {len(near)} of them the "
+        f"first differing token's logit was within 2 spacings of plain decoding's token in plain decoding's own "
+        f"pass (largest {summary['largest_flip_in_spacings']}; top-2 gaps at most "
+        f"{summary['largest_top2_gap_in_spacings']} spacings)"
+    )
     for row in tokens:
-        print(f"question {row['question_id']}: new token {row['first_difference']}: plain {row['plain_token']}, mtp "
-              f"{row['mtp_token']} (rank {row['mtp_token_rank']} in plain's logits), "
-              f"{row['plain_vs_mtp_token_in_spacings']:.2f} spacings apart at {row['top1_logit']:.4g}; "
-              f"plain's top-2 {row['plain_top2']}, {row['gap_in_spacings']:.2f} spacings apart; one pass over the "
-              f"prefix moves logits there by up to {row['one_pass_max_difference_in_spacings']:.2f} spacings and puts "
-              f"plain's token {row['one_pass_plain_vs_mtp_token_in_spacings']:.2f} spacings above mtp's")  # fmt: skip
+        print(
+            f"question {row['question_id']}: new token {row['first_difference']}: plain {row['plain_token']}, mtp "
+            f"{row['mtp_token']} (rank {row['mtp_token_rank']} in plain's logits), "
+            f"{row['plain_vs_mtp_token_in_spacings']:.2f} spacings apart at {row['top1_logit']:.4g}; "
+            f"plain's top-2 {row['plain_top2']}, {row['gap_in_spacings']:.2f} spacings apart; one pass over the "
+            f"prefix moves logits there by up to {row['one_pass_max_difference_in_spacings']:.2f} spacings and puts "
+            f"plain's token {row['one_pass_plain_vs_mtp_token_in_spacings']:.2f} spacings above mtp's"
+        )
 
 
 if __name__ == "__main__":

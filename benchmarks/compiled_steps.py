@@ -64,8 +64,9 @@ def passes(args, weights: str) -> tuple[list, float, int]:
             cache.update(layer.keys, layer.values, index)
         mask = tree_attention_mask(tree_mask, positions, slots, target.windows, target.dtype)
         with grouped_keys(model.device.type == "cpu" and nodes > 1):
-            target.logits(target.run(False, input_ids=tokens, position_ids=positions, attention_mask=mask,
-                                     cache=cache).last)  # fmt: skip
+            target.logits(
+                target.run(False, input_ids=tokens, position_ids=positions, attention_mask=mask, cache=cache).last
+            )
 
     compiled.load(prefill)  # once: a pass writes its nodes after the prompt's slots, and the next one overwrites them
 
@@ -83,33 +84,48 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-model", default=DEFAULT_BASE)
     parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    parser.add_argument("--weights", nargs="+", default=["float"], choices=WEIGHTS,
-                        help="the base's weights, each timed in the same rounds (see mtp.quantized)")  # fmt: skip
+    parser.add_argument(
+        "--weights",
+        nargs="+",
+        default=["float"],
+        choices=WEIGHTS,
+        help="the base's weights, each timed in the same rounds (see mtp.quantized)",
+    )
     parser.add_argument("--context", type=int, default=256, help="prompt tokens before the pass")
     parser.add_argument("--repeats", type=int, default=30, help="rounds")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--no-templates", dest="templates", action="store_false",
-                        help="compile the products as ATen's, not inductor's C++ GEMM templates (CPU)")  # fmt: skip
+    parser.add_argument(
+        "--no-templates",
+        dest="templates",
+        action="store_false",
+        help="compile the products as ATen's, not inductor's C++ GEMM templates (CPU)",
+    )
     args = parser.parse_args()
     made = {weights: passes(args, weights) for weights in args.weights}
     calls = [call for each, _, _ in made.values() for call in each]
     for call in calls:  # warm-up
         call()
     spent = iter(medians_ms(calls, torch.device(args.device), args.repeats))
-    print(f"{device_name(torch.device(args.device))}, {args.dtype}, {args.context} tokens of context, "
-          f"{made[args.weights[0]][2]} slots; compiling {len(args.nodes)} node counts "
-          f"{'with' if args.templates else 'without'} GEMM templates took "
-          + ", ".join(f"{seconds:.0f} s ({weights})" for weights, (_, seconds, _) in made.items()))  # fmt: skip
-    print("| weights | nodes | eager ms | compiled ms | compiled / eager | eager / eager 1 | compiled / compiled 1 | "
-          f"compiled / {args.weights[0]} compiled |")  # fmt: skip
+    print(
+        f"{device_name(torch.device(args.device))}, {args.dtype}, {args.context} tokens of context, "
+        f"{made[args.weights[0]][2]} slots; compiling {len(args.nodes)} node counts "
+        f"{'with' if args.templates else 'without'} GEMM templates took "
+        + ", ".join(f"{seconds:.0f} s ({weights})" for weights, (_, seconds, _) in made.items())
+    )
+    print(
+        "| weights | nodes | eager ms | compiled ms | compiled / eager | eager / eager 1 | compiled / compiled 1 | "
+        f"compiled / {args.weights[0]} compiled |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     rows = {(weights, nodes): (next(spent), next(spent)) for weights in made for nodes in args.nodes}
     for (weights, nodes), (eager_ms, compiled_ms) in rows.items():
         eager_one, compiled_one = rows[weights, args.nodes[0]]
         first = rows[args.weights[0], nodes][1]
-        print(f"| {weights} | {nodes} | {eager_ms:.1f} | {compiled_ms:.1f} | {compiled_ms / eager_ms:.2f}x | "
-              f"{eager_ms / eager_one:.2f}x | {compiled_ms / compiled_one:.2f}x | {compiled_ms / first:.2f}x |")
+        print(
+            f"| {weights} | {nodes} | {eager_ms:.1f} | {compiled_ms:.1f} | {compiled_ms / eager_ms:.2f}x | "
+            f"{eager_ms / eager_one:.2f}x | {compiled_ms / compiled_one:.2f}x | {compiled_ms / first:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

@@ -53,14 +53,20 @@ def main() -> None:
     found = {name: profiled(d, prompts, args.max_new_tokens) for name, d in (("plain", plain), ("tree", decoder))}
     print(f"{'ms per step (profiler on)':36s} {'plain':>8s} {'tree':>8s}")
     for name, (_, passes, tokens, wall) in found.items():
-        print(f"  {name}: {tokens} tokens, {passes} passes, tau {tokens / passes:.2f}, {tokens / wall:.1f} tokens/s, "
-              f"{1e3 * wall / passes:.1f} ms a step in all")  # fmt: skip
-    per_step = {name: {key: 1e3 * value / passes for key, value in spent.items()}
-                for name, (spent, passes, _, _) in found.items()}  # fmt: skip
+        print(
+            f"  {name}: {tokens} tokens, {passes} passes, tau {tokens / passes:.2f}, {tokens / wall:.1f} tokens/s, "
+            f"{1e3 * wall / passes:.1f} ms a step in all"
+        )
+    per_step = {
+        name: {key: 1e3 * value / passes for key, value in spent.items()}
+        for name, (spent, passes, _, _) in found.items()
+    }
     for name, (spent, passes, _, wall) in found.items():
         per_step[name]["rest (prefill, Python, stop checks)"] = 1e3 * (wall - sum(spent[p] for p in PHASES)) / passes
-    ops = sorted((key for key in per_step["tree"] if key not in PHASES and key.startswith("aten::")),
-                 key=lambda key: -per_step["tree"][key])[: args.ops]  # fmt: skip
+    ops = sorted(
+        (key for key in per_step["tree"] if key not in PHASES and key.startswith("aten::")),
+        key=lambda key: -per_step["tree"][key],
+    )[: args.ops]
     for key in [*PHASES, "rest (prefill, Python, stop checks)", *ops]:
         plain_ms, tree_ms = per_step["plain"].get(key, 0.0), per_step["tree"].get(key, 0.0)
         print(f"{key[:36]:36s} {plain_ms:8.2f} {tree_ms:8.2f}")

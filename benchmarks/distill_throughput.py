@@ -51,8 +51,10 @@ def main() -> None:
     if args.drafter:
         decoders[f"with {args.drafter}"] = mtp.load(args.drafter, compile=False)
     lengths = [len(ids) for ids in prompts]
-    print(f"{len(prompts)} prompts of {lengths[0]}-{lengths[-1]} tokens (mean {sum(lengths) / len(lengths):.0f}), "
-          f"answers of at most {args.max_new_tokens} tokens")  # fmt: skip
+    print(
+        f"{len(prompts)} prompts of {lengths[0]}-{lengths[-1]} tokens (mean {sum(lengths) / len(lengths):.0f}), "
+        f"answers of at most {args.max_new_tokens} tokens"
+    )
 
     tokens, start = 0, time.perf_counter()
     for ids in prompts[:: len(prompts) // args.single][: args.single]:  # spread over the prompt lengths
@@ -69,14 +71,17 @@ def main() -> None:
         for first in range(0, len(prompts), batch_size):
             inputs = tokenizer.pad({"input_ids": prompts[first : first + batch_size]}, return_tensors="pt")
             with torch.no_grad():
-                out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False,
-                                     pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+                out = model.generate(
+                    **inputs, max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+                )
             out = out[:, inputs["input_ids"].shape[1] :]  # (B, new tokens)
             tokens += sum(answer_length(row, eos) for row in out.tolist())
             slots += out.numel()
         batched = tokens / (time.perf_counter() - start)
-        print(f"batched generate, batch {batch_size}: {batched:.1f} answer tokens/s ({batched / single:.1f}x single), "
-              f"{tokens} of {slots} slots computed were answer tokens ({tokens / slots:.0%})")  # fmt: skip
+        print(
+            f"batched generate, batch {batch_size}: {batched:.1f} answer tokens/s ({batched / single:.1f}x single), "
+            f"{tokens} of {slots} slots computed were answer tokens ({tokens / slots:.0%})"
+        )
 
         distill = Distill(prompts="", max_new_tokens=args.max_new_tokens, batch_size=batch_size)
         answers = {}

@@ -47,8 +47,10 @@ def main() -> None:
             result = decoder.generate(messages, max_new_tokens=args.max_new_tokens)
             tokens, passes = tokens + len(result.token_ids), passes + result.forward_passes
         name = "whole" if size is None else str(size)
-        print(f"| {name} | {covered:.1%} | {tree * 1e3:.1f} | {plain * 1e3:.1f} | {tree / plain:.2f} | "
-              f"{tokens / passes:.2f} |")  # fmt: skip
+        print(
+            f"| {name} | {covered:.1%} | {tree * 1e3:.1f} | {plain * 1e3:.1f} | {tree / plain:.2f} | "
+            f"{tokens / passes:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -30,8 +30,13 @@ def rank_accuracy(heads_path: str, data: DrafterDataModule, depths: int) -> torc
     config = heads.config
     if heads.max_depth is None:
         config.num_heads = depths
-    drafting = Drafting(config.head_type, config.num_heads, config.num_layers, config.lm_head,
-                        feature_layers=config.feature_layers or None)  # fmt: skip
+    drafting = Drafting(
+        config.head_type,
+        config.num_heads,
+        config.num_layers,
+        config.lm_head,
+        feature_layers=config.feature_layers or None,
+    )
     module = DrafterModule(config.base_model, drafting)
     heads.check_base(config.base_model, module.base_model, load_tokenizer(config.base_model))
     module.drafter = heads  # its draft vocabulary, if any, comes with its config
@@ -53,8 +58,13 @@ def main() -> None:
     data = held_out(args, base)
     tokens = sum(int(mask.sum()) for _, mask in data.val_examples)
     print(f"{len(data.val_examples)} held-out answers, {tokens} answer tokens")
-    print("| heads | " + " | ".join(f"head {k} top-1 / top-5" for k in range(num_heads)) + " | "
-          + " | ".join(f"tau @ {n}" for n in SIZES) + " |")  # fmt: skip
+    print(
+        "| heads | "
+        + " | ".join(f"head {k} top-1 / top-5" for k in range(num_heads))
+        + " | "
+        + " | ".join(f"tau @ {n}" for n in SIZES)
+        + " |"
+    )
     print("| --- " * (1 + num_heads + len(SIZES)) + "|")
     for path in args.drafter:
         accuracy = rank_accuracy(path, data, args.depths)

@@ -18,8 +18,15 @@ from torch.nn import functional as F
 from mtp.linears import narrow_product
 
 HIDDEN, INTERMEDIATE = 576, 1536
-SHAPES = [(HIDDEN, HIDDEN), (192, HIDDEN), (192, HIDDEN), (HIDDEN, HIDDEN), (INTERMEDIATE, HIDDEN),
-          (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]  # fmt: skip  # q, k, v, o, gate, up, down
+SHAPES = [
+    (HIDDEN, HIDDEN),
+    (192, HIDDEN),
+    (192, HIDDEN),
+    (HIDDEN, HIDDEN),
+    (INTERMEDIATE, HIDDEN),
+    (INTERMEDIATE, HIDDEN),
+    (HIDDEN, INTERMEDIATE),
+]  # q, k, v, o, gate, up, down
 
 
 def seconds(weights: list[torch.Tensor], rows: int, narrow: bool) -> float:

@@ -48,14 +48,21 @@ def recipe_estimate(path: Path) -> str:
     drafting, loss = Drafting(**model["drafter"]), Loss(**model.get("loss", {}))
     base = base_of(model["base_model"])
     vocab_size, hidden_size = base.get_output_embeddings().weight.shape
-    identity = dict(base_model=model["base_model"], hidden_size=hidden_size, vocab_size=vocab_size,
-                    tokenizer_fingerprint="")  # fmt: skip
+    identity = dict(
+        base_model=model["base_model"], hidden_size=hidden_size, vocab_size=vocab_size, tokenizer_fingerprint=""
+    )
     drafter = build_drafter(base, None, identity, drafting)
     if drafting.draft_vocab:  # the most frequent tokens in training; their number is what costs memory
         drafter.set_draft_vocab(list(range(drafting.draft_vocab)), base)
-    module = SimpleNamespace(base_model=base, drafter=drafter, features=None, loss=loss,
-                             weights=loss.head_weights(drafting.num_heads), parameters=drafter.parameters,
-                             trainer=SimpleNamespace(precision_plugin=MixedPrecision("bf16-mixed", "cpu")))  # fmt: skip
+    module = SimpleNamespace(
+        base_model=base,
+        drafter=drafter,
+        features=None,
+        loss=loss,
+        weights=loss.head_weights(drafting.num_heads),
+        parameters=drafter.parameters,
+        trainer=SimpleNamespace(precision_plugin=MixedPrecision("bf16-mixed", "cpu")),
+    )
     found = estimate(module, data["batch_size"], data["max_length"])
     return f"{path.name}: {memory_line(found, data['batch_size'], data['max_length'])}"
 

@@ -72,8 +72,14 @@ def main() -> None:
     parser.add_argument("--precision", default="32-true")
     args = parser.parse_args()
 
-    data = Longest(args.steps, data=args.data, base_model=args.base_model, batch_size=args.batch_size,
-                   max_length=args.max_length, val_fraction=0)  # fmt: skip
+    data = Longest(
+        args.steps,
+        data=args.data,
+        base_model=args.base_model,
+        batch_size=args.batch_size,
+        max_length=args.max_length,
+        val_fraction=0,
+    )
     data.setup("fit")
     data.setup = lambda stage: None  # set up once, before the baseline
     cuda = args.device.startswith("cuda")
@@ -81,13 +87,23 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         drafting = Drafting(args.head_type, args.num_heads, draft_vocab=args.draft_vocab)
         features = folder if args.features else None
-        module = DrafterModule(args.base_model, drafting, Loss(teacher=True), features=features,
-                               precision=args.precision)
+        module = DrafterModule(
+            args.base_model, drafting, Loss(teacher=True), features=features, precision=args.precision
+        )
         timer = StepTimer()
-        trainer = L.Trainer(max_steps=args.steps, accelerator="gpu" if cuda else "cpu", devices=1, logger=False,
-                            callbacks=[timer],
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                            limit_val_batches=0, default_root_dir=folder, precision=args.precision)  # fmt: skip
+        trainer = L.Trainer(
+            max_steps=args.steps,
+            accelerator="gpu" if cuda else "cpu",
+            devices=1,
+            logger=False,
+            callbacks=[timer],
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            default_root_dir=folder,
+            precision=args.precision,
+        )
         trainer.fit(module, data)
         found = estimate(module, args.batch_size, args.max_length)
     if cuda:
@@ -95,8 +111,10 @@ def main() -> None:
     else:
         peak = resident("VmHWM") - before
     print(memory_line(found, args.batch_size, args.max_length))
-    print(f"measured peak ({'torch allocations' if cuda else 'resident memory over the baseline'}): "
-          f"{peak / 1e6:,.0f} MB; measured / estimate: {peak / found['total']:.2f}")  # fmt: skip
+    print(
+        f"measured peak ({'torch allocations' if cuda else 'resident memory over the baseline'}): "
+        f"{peak / 1e6:,.0f} MB; measured / estimate: {peak / found['total']:.2f}"
+    )
     if timer.seconds:
         print(f"training steps but the first: {timer.tokens / timer.seconds:.0f} tokens/s")
 

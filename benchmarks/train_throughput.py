@@ -57,8 +57,14 @@ class Batches(DrafterDataModule):
 def fit(args, count: int, features: str | None) -> tuple[float, float, int]:
     """One epoch over `count` batches: (seconds of the setup, that is writing the features; seconds of the steps but
     the first; tokens of the steps but the first)."""
-    data = Batches(count, data=args.data, base_model=args.base_model, batch_size=args.batch_size,
-                   max_length=args.max_length, val_fraction=0)  # fmt: skip
+    data = Batches(
+        count,
+        data=args.data,
+        base_model=args.base_model,
+        batch_size=args.batch_size,
+        max_length=args.max_length,
+        val_fraction=0,
+    )
     drafting = Drafting(args.head_type, args.num_heads, draft_vocab=args.draft_vocab)
     module = DrafterModule(args.base_model, drafting, Loss(teacher=True), features=features)
     timer, setup_s = StepTimer(), []
@@ -68,9 +74,16 @@ def fit(args, count: int, features: str | None) -> tuple[float, float, int]:
             setup_s.append(time.perf_counter() - start)
 
     with tempfile.TemporaryDirectory() as folder:
-        trainer = L.Trainer(max_epochs=1, callbacks=[timer, SetupTimer()], logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=folder,
-                            limit_val_batches=0)  # fmt: skip
+        trainer = L.Trainer(
+            max_epochs=1,
+            callbacks=[timer, SetupTimer()],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=folder,
+            limit_val_batches=0,
+        )
         start = time.perf_counter()
         trainer.fit(module, data)
     return setup_s[0], timer.seconds[0], timer.tokens[0]
@@ -109,14 +122,18 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as folder:
             command = [sys.executable, __file__, *sys.argv[1:], "--memory", str(times * count), "--features", folder]
             peaks[times] = int(subprocess.run(command, capture_output=True, text=True, check=True).stdout.split()[-1])
-    print(f"{args.head_type}, {args.batches} batches of {args.batch_size}, {tokens} tokens, "
-          f"threads={torch.get_num_threads()}")  # fmt: skip
+    print(
+        f"{args.head_type}, {args.batches} batches of {args.batch_size}, {tokens} tokens, "
+        f"threads={torch.get_num_threads()}"
+    )
     print(f"online epoch (the base in every step): {tokens / online_s:8.0f} tokens/s ({online_s:.1f} s)")
     print(f"offline epoch (states from disk):      {tokens / offline_s:8.0f} tokens/s ({offline_s:.1f} s)")
     print(f"offline epoch time over online:        {offline_s / online_s:.2f}")
     print(f"writing the states (setup, all {count} batches): {write_s:.1f} s")
-    print(f"peak resident memory, offline, {count} / {4 * count} batches: {peaks[1] / 2**30:.2f} / "
-          f"{peaks[4] / 2**30:.2f} GiB ({peaks[4] / peaks[1]:.2f}x)")  # fmt: skip
+    print(
+        f"peak resident memory, offline, {count} / {4 * count} batches: {peaks[1] / 2**30:.2f} / "
+        f"{peaks[4] / 2**30:.2f} GiB ({peaks[4] / peaks[1]:.2f}x)"
+    )
 
 
 if __name__ == "__main__":

@@ -122,8 +122,10 @@ def eos_ids(model: PreTrainedModel) -> set[int]:
 
 def _require_name(name: str) -> None:
     if not name:
-        raise ValueError("No base model named (heads imported from a checkpoint that does not record theirs): give the "
-                         "base they draft for (decode.py --base-model, mtp.load's base_model).")  # fmt: skip
+        raise ValueError(
+            "No base model named (heads imported from a checkpoint that does not record theirs): give the "
+            "base they draft for (decode.py --base-model, mtp.load's base_model)."
+        )
 
 
 def _require_file(path: Path, what: str) -> None:

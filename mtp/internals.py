@@ -109,14 +109,21 @@ def cpu_pass_settings(templates: bool) -> dict:
     """Inductor's settings for the CPU pass (`templates`: the products as its C++ GEMM templates alone, see
     `mtp.decoding.compiled.CompiledPass`), with inductor patched for the pass (for the process) on a torch of
     `TORCH`: elsewhere, or where a patch fails, one line says what is skipped and what speed that costs."""
-    settings = {"max_autotune": templates, "max_autotune_gemm_backends": "CPP", "autotune_num_choices_displayed": 0,
-                "max_autotune_report_choices_stats": False, "fx_graph_cache": False,
-                "aot_inductor.package_constants_in_so": False}  # fmt: skip
+    settings = {
+        "max_autotune": templates,
+        "max_autotune_gemm_backends": "CPP",
+        "autotune_num_choices_displayed": 0,
+        "max_autotune_report_choices_stats": False,
+        "fx_graph_cache": False,
+        "aot_inductor.package_constants_in_so": False,
+    }
     # (no table nor line per product on stderr; no graph from inductor's cache, whose key holds no template text:
     # it could give back kernels made before `_accumulators_in_registers`)
     if ".".join(torch.__version__.split(".")[:2]) not in TORCH:
-        _say(f"mtp: inductor's patches are written for torch {', '.join(TORCH)}, not {torch.__version__}: skipped "
-             "(compiled passes of 4 and 8 nodes cost up to 1.5x more on an AVX2 CPU, compiling takes longer)")
+        _say(
+            f"mtp: inductor's patches are written for torch {', '.join(TORCH)}, not {torch.__version__}: skipped "
+            "(compiled passes of 4 and 8 nodes cost up to 1.5x more on an AVX2 CPU, compiling takes longer)"
+        )
         settings.pop("max_autotune_report_choices_stats")  # (a name that newer torches may not have)
         return settings
     patches = {  # each patch: what skipping it costs
@@ -249,8 +256,12 @@ def _eight_rows_at_once() -> None:
 
     configs = micro.micro_gemm_configs.get(micro.CppMicroGemmFP32Vec, [])
     for index, config in enumerate(configs):
-        if (config.vec_isa_cls is VecAVX2 and config.input_dtype == config.input2_dtype == torch.float
-                and config.register_blocking.block_m == 4 and config.extra_check is None):  # fmt: skip
+        if (
+            config.vec_isa_cls is VecAVX2
+            and config.input_dtype == config.input2_dtype == torch.float
+            and config.register_blocking.block_m == 4
+            and config.extra_check is None
+        ):
             configs[index] = dataclasses.replace(config, extra_check=_not_eight_rows)
 
 

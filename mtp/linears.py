@@ -89,8 +89,9 @@ def draft_linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return int8_product(layer, x, layer.weight, layer.bias)
 
 
-def product(x: torch.Tensor, weight: torch.Tensor, narrow: frozenset[int] | set[int],
-            bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def product(
+    x: torch.Tensor, weight: torch.Tensor, narrow: frozenset[int] | set[int], bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """x W^T (+ bias) for x (..., in), taken as W x^T (`narrow_product`) when x's row count is in `narrow` and no
     gradient is needed (training keeps the usual path)."""
     rows = x.numel() // x.shape[-1]
@@ -151,12 +152,19 @@ def narrow_rows(weights: list[torch.Tensor], rounds: int = 3) -> dict[str, list[
     if first is None or first.device.type not in ("cpu", "cuda"):
         return {_shape(w): [] for w in weights}
     shapes = sorted({_shape(w) for w in weights})
-    key = (f"{device_name(first.device)} | torch {torch.__version__} | {first.dtype} | rows {ROWS}, noise {NOISE}, "
-           f"{rounds} rounds | {len(weights)} weights {shapes}")  # fmt: skip
+    key = (
+        f"{device_name(first.device)} | torch {torch.__version__} | {first.dtype} | rows {ROWS}, noise {NOISE}, "
+        f"{rounds} rounds | {len(weights)} weights {shapes}"
+    )
 
     def measure() -> dict[str, list[int]]:
-        inputs = {rows: {width: torch.randn(rows, width, dtype=first.dtype, device=first.device)
-                         for width in {w.shape[1] for w in weights}} for rows in range(1, ROWS + 1)}  # fmt: skip
+        inputs = {
+            rows: {
+                width: torch.randn(rows, width, dtype=first.dtype, device=first.device)
+                for width in {w.shape[1] for w in weights}
+            }
+            for rows in range(1, ROWS + 1)
+        }
         times = {(shape, rows, narrow): [] for shape in shapes for rows in inputs for narrow in (False, True)}
         for _ in range(rounds):
             for rows in inputs:
@@ -171,8 +179,10 @@ def narrow_rows(weights: list[torch.Tensor], rounds: int = 3) -> dict[str, list[
                     for shape, seconds in spent.items():
                         times[shape, rows, narrow].append(seconds)
         median = {way: sorted(spent)[len(spent) // 2] for way, spent in times.items()}
-        return {shape: [rows for rows in inputs if median[shape, rows, True] < (1 - NOISE) * median[shape, rows, False]]
-                for shape in shapes}  # fmt: skip
+        return {
+            shape: [rows for rows in inputs if median[shape, rows, True] < (1 - NOISE) * median[shape, rows, False]]
+            for shape in shapes
+        }
 
     return measured("linears.json", key, measure)
 

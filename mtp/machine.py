@@ -24,13 +24,17 @@ def device_name(device: str | torch.device) -> str:
     if device.type != "cpu":
         return device.type
     cpuinfo = Path("/proc/cpuinfo")
-    names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-             if line.startswith("model name")] if cpuinfo.is_file() else []  # fmt: skip
+    names = (
+        [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
+        if cpuinfo.is_file()
+        else []
+    )
     return f"{names[0] if names else platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
 
 
-def measured(file: str, key: str, measure: Callable[[], Any], again: bool = False,
-             fresh: Callable[[Any], None] | None = None) -> Any:  # fmt: skip
+def measured(
+    file: str, key: str, measure: Callable[[], Any], again: bool = False, fresh: Callable[[Any], None] | None = None
+) -> Any:
     """`measure()` as cached under `key` in `cache_dir() / file` (a JSON object), measured and stored first if it
     is not there yet, or if `again` (then passed to `fresh` too). Processes measuring at once each add their own
     key (the last one's value stays for a key they share)."""

@@ -48,8 +48,14 @@ class BlockLinear(nn.Module):
     in the low half of its byte i and weight 16 + i in the high half (4-bit, as GGUF's Q4 blocks), or (N, K) int8
     held as uint8 (8-bit); `scale` and, 4-bit, `minimum` (N, K/BLOCK) float32: a weight is q * scale + minimum."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
-                 bias: torch.Tensor | None = None, tied: torch.Tensor | None = None):  # fmt: skip
+    def __init__(
+        self,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        minimum: torch.Tensor | None,
+        bias: torch.Tensor | None = None,
+        tied: torch.Tensor | None = None,
+    ):
         super().__init__()
         self.register_buffer("q", q.contiguous())
         self.register_buffer("scale", scale.float().contiguous())
@@ -120,9 +126,14 @@ def require_weights(weights: str) -> None:
 
 def add_weights_argument(parser: argparse.ArgumentParser) -> None:
     """The --weights option of decode.py, mtp.tools.bench and mtp.tools.sizing."""
-    parser.add_argument("--weights", default="float", choices=WEIGHTS, help="the base's weights: as loaded, in "
-                        "blocks of 8 or 4 bits, or a GGUF base's own blocks (the packaged default's: 4-bit); see "
-                        "mtp.quantized")  # fmt: skip
+    parser.add_argument(
+        "--weights",
+        default="float",
+        choices=WEIGHTS,
+        help="the base's weights: as loaded, in "
+        "blocks of 8 or 4 bits, or a GGUF base's own blocks (the packaged default's: 4-bit); see "
+        "mtp.quantized",
+    )
 
 
 def quantize(model: nn.Module, weights: str, gguf_file: str | Path | None = None) -> nn.Module:
@@ -134,11 +145,16 @@ def quantize(model: nn.Module, weights: str, gguf_file: str | Path | None = None
     if weights == "float":
         return model
     if weights == "gguf" and gguf_file is None:
-        raise ValueError("weights='gguf' keeps a GGUF file's own blocks: load a .gguf base (or the packaged default), "
-                         "or choose weights='int8' or 'int4'.")  # fmt: skip
+        raise ValueError(
+            "weights='gguf' keeps a GGUF file's own blocks: load a .gguf base (or the packaged default), "
+            "or choose weights='int8' or 'int4'."
+        )
     embed = model.get_input_embeddings().weight
-    layers = {name: module for name, module in model.named_modules()
-              if type(module) is nn.Linear and module.in_features % BLOCK == 0}  # fmt: skip
+    layers = {
+        name: module
+        for name, module in model.named_modules()
+        if type(module) is nn.Linear and module.in_features % BLOCK == 0
+    }
     found = _blocks_in_file(Path(gguf_file), layers) if weights == "gguf" else {}
     with torch.no_grad():
         while layers:  # each float weight let go once its blocks are made: memory for one layer's more at a time
@@ -213,8 +229,11 @@ def kernels() -> bool:
     C++ compiler): products then unpack the weights to float, slower."""
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
-        print(f"mtp: no block kernels for this CPU ({capability}, not AVX2): quantized products unpack their weights "
-              "to float, slower than float weights", file=sys.stderr)  # fmt: skip
+        print(
+            f"mtp: no block kernels for this CPU ({capability}, not AVX2): quantized products unpack their weights "
+            "to float, slower than float weights",
+            file=sys.stderr,
+        )
         return False
     library = cache_dir() / "kernels" / f"blocks-{_SOURCE_DIGEST}-torch-{torch.__version__}.so"
     try:
@@ -223,8 +242,11 @@ def kernels() -> bool:
         torch.ops.load_library(str(library))
     except (OSError, subprocess.CalledProcessError) as error:
         detail = (getattr(error, "stderr", b"") or str(error).encode()).decode(errors="replace").strip().splitlines()
-        print(f"mtp: could not build the block kernels ({detail[-1][:200] if detail else error}): quantized products "
-              "unpack their weights to float, slower", file=sys.stderr)  # fmt: skip
+        print(
+            f"mtp: could not build the block kernels ({detail[-1][:200] if detail else error}): quantized products "
+            "unpack their weights to float, slower",
+            file=sys.stderr,
+        )
         return False
     for name in ("q4_mm", "q8_mm"):  # their output's shape, for export and the compiled pass
         torch.library.register_fake(f"mtp::{name}")(lambda x, q, *rest: x.new_empty(x.shape[0], q.shape[0]))
@@ -239,8 +261,26 @@ def _build(source: Path, library: Path) -> None:
     abi = cxx11_abi()
     with tempfile.TemporaryDirectory(dir=library.parent) as staging:
         built = Path(staging) / library.name
-        subprocess.run([os.environ.get("CXX", "c++"), "-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC",
-                        "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", str(source), "-o", str(built),
-                        *(f"-I{path}" for path in include_paths()), *(f"-L{path}" for path in library_paths()),
-                        "-lc10", "-ltorch_cpu"], check=True, capture_output=True)  # fmt: skip
+        subprocess.run(
+            [
+                os.environ.get("CXX", "c++"),
+                "-O3",
+                "-mavx2",
+                "-mfma",
+                "-fopenmp",
+                "-shared",
+                "-fPIC",
+                "-std=c++20",
+                f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+                str(source),
+                "-o",
+                str(built),
+                *(f"-I{path}" for path in include_paths()),
+                *(f"-L{path}" for path in library_paths()),
+                "-lc10",
+                "-ltorch_cpu",
+            ],
+            check=True,
+            capture_output=True,
+        )
         os.replace(built, library)

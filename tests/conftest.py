@@ -66,11 +66,22 @@ TREE = Tree.from_paths([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0,
 
 def tiny_model(model_type="llama", eos=None, seed=0, **overrides):
     """A random 2-layer model of `model_type` over the tiny tokenizer; eos=None so runs cannot stop early."""
-    config = AutoConfig.for_model(model_type, **{
-        "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512, "eos_token_id": eos,
-        "bos_token_id": None, "pad_token_id": 0, **overrides,
-    })  # fmt: skip
+    config = AutoConfig.for_model(
+        model_type,
+        **{
+            "vocab_size": 512,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 512,
+            "eos_token_id": eos,
+            "bos_token_id": None,
+            "pad_token_id": 0,
+            **overrides,
+        },
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
     model.generation_config.eos_token_id = eos
@@ -80,8 +91,13 @@ def tiny_model(model_type="llama", eos=None, seed=0, **overrides):
 def reference(model, input_ids, max_new_tokens):
     """The base model's own greedy continuation (min_new_tokens: no early stop whatever the config says; an
     explicit attention mask, else generate masks prompt tokens equal to the pad token, <|im_end|> in ChatML)."""
-    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-                         min_new_tokens=max_new_tokens, do_sample=False)  # fmt: skip
+    out = model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        do_sample=False,
+    )
     return out[0, input_ids.shape[1] :].tolist()
 
 
@@ -107,8 +123,13 @@ class OracleHeads(MedusaHeads):
     def guess(self, hidden, following, head, k, lm_head):
         logits = torch.zeros(*hidden.shape[:-1], self.vocab)  # (B, 1, V): all but the true token equally unlikely
         for b, state in enumerate(hidden.flatten(0, -2)):  # the closest hidden state of every reference run
-            run, t = min(((r, int(d.argmin()), float(d.min())) for r, d in enumerate(
-                (h - state).abs().amax(-1) for h in self.hidden)), key=lambda found: found[2])[:2]  # fmt: skip
+            run, t = min(
+                (
+                    (r, int(d.argmin()), float(d.min()))
+                    for r, d in enumerate((h - state).abs().amax(-1) for h in self.hidden)
+                ),
+                key=lambda found: found[2],
+            )[:2]
             if t + head + 2 < len(self.sequences[run]):
                 logits.view(-1, self.vocab)[b, self.sequences[run][t + head + 2]] = 20.0
         logp, best = logits.log_softmax(-1).topk(k, dim=-1)
@@ -122,8 +143,13 @@ def feature_layers(model, head_type: str) -> list[int]:
 
 def random_heads(model, num_heads=4, seed=1, head_type="medusa"):
     torch.manual_seed(seed)
-    config = DrafterConfig(num_heads=num_heads, head_type=head_type, hidden_size=64, vocab_size=model.config.vocab_size,
-                         feature_layers=feature_layers(model, head_type))  # fmt: skip
+    config = DrafterConfig(
+        num_heads=num_heads,
+        head_type=head_type,
+        hidden_size=64,
+        vocab_size=model.config.vocab_size,
+        feature_layers=feature_layers(model, head_type),
+    )
     heads = Drafter.kinds[head_type].new(config, model)
     for parameter in heads.parameters():
         nn.init.normal_(parameter, std=0.5)
@@ -147,8 +173,17 @@ SMALL_VOCAB_PROMPT = torch.tensor([[3, 7, 1]])
 SMALL_VOCAB_TREE = Tree.from_paths([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
 
 
-def small_vocab_decoder(seed=0, sliding_window=None, head_type="medusa", lookup=None, tree=SMALL_VOCAB_TREE,
-                        model_type=None, repeat=False, weights=None, **family) -> Decoder:  # fmt: skip
+def small_vocab_decoder(
+    seed=0,
+    sliding_window=None,
+    head_type="medusa",
+    lookup=None,
+    tree=SMALL_VOCAB_TREE,
+    model_type=None,
+    repeat=False,
+    weights=None,
+    **family,
+) -> Decoder:
     """A 1-layer Llama (a Mistral if `sliding_window`, else `model_type` with its `family` settings) over 8 tokens,
     peaked enough that a few continuations dominate, random heads on `tree`, and `lookup`; with `weights` ("int8",
     "int4"), 32 wide and its linear layers' weights then put in blocks (`mtp.quantized`). With `repeat`, a model
@@ -158,10 +193,21 @@ def small_vocab_decoder(seed=0, sliding_window=None, head_type="medusa", lookup=
     window = {"sliding_window": sliding_window} if sliding_window else {}
     model_type = model_type or ("mistral" if sliding_window else "llama")
     width = 32 if weights else 16
-    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, hidden_size=width,
-                                  intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                  num_key_value_heads=1, max_position_embeddings=64, eos_token_id=None,
-                                  bos_token_id=None, pad_token_id=None, **window, **family)  # fmt: skip
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=VOCAB,
+        hidden_size=width,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+        **window,
+        **family,
+    )
     config._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
@@ -172,8 +218,14 @@ def small_vocab_decoder(seed=0, sliding_window=None, head_type="medusa", lookup=
             model.lm_head.weight.mul_(60)  # sharper next-token distributions than a fresh init's near-uniform ones
     if weights:
         quantize(model, weights)
-    config = DrafterConfig(num_heads=3, lm_head="own", head_type=head_type, hidden_size=width, vocab_size=VOCAB,
-                         feature_layers=feature_layers(model, head_type))  # fmt: skip
+    config = DrafterConfig(
+        num_heads=3,
+        lm_head="own",
+        head_type=head_type,
+        hidden_size=width,
+        vocab_size=VOCAB,
+        feature_layers=feature_layers(model, head_type),
+    )
     heads = Drafter.kinds[head_type].new(config, model)
     for parameter in heads.parameters() if not repeat else ():
         torch.nn.init.normal_(parameter, std=0.5)
@@ -224,8 +276,9 @@ def trainer(tmp_path, max_steps, callbacks=(), **kwargs):
 def save_random_heads(tmp_path, lm_head="shared", head_type="medusa"):
     model, tokenizer = mtp.base.load_base(TINY_BASE)
     identity = base_identity(TINY_BASE, model, tokenizer)
-    config = DrafterConfig(num_heads=3, lm_head=lm_head, head_type=head_type, **identity,
-                         feature_layers=feature_layers(model, head_type))  # fmt: skip
+    config = DrafterConfig(
+        num_heads=3, lm_head=lm_head, head_type=head_type, **identity, feature_layers=feature_layers(model, head_type)
+    )
     heads = Drafter.kinds[head_type].new(config, model)
     torch.manual_seed(0)
     for parameter in heads.parameters():

@@ -43,8 +43,14 @@ def test_the_gguf_is_converted_once_and_reused(default):
 
 def test_a_few_training_steps_run_on_the_default_model(tmp_path):
     module = DrafterModule(DEFAULT_BASE, drafter=Drafting(num_heads=2))
-    trainer = L.Trainer(max_steps=2, limit_val_batches=1, default_root_dir=tmp_path, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer = L.Trainer(
+        max_steps=2,
+        limit_val_batches=1,
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, DrafterDataModule(TINY_CHAT, DEFAULT_BASE, batch_size=2))
     assert trainer.global_step == 2 and torch.isfinite(trainer.callback_metrics["train/loss"])
     assert module.drafter.config.hidden_size == 576 and module.drafter.config.vocab_size == 49152

@@ -135,8 +135,9 @@ def test_rows_of_different_lengths_attend_as_causal_runs_after_uneven_acceptance
         return model(torch.cat([prefixes[row], ids])[None]).logits[0, len(prefixes[row]) :]
 
     def next_token(cache, slots, prefix_lens, rows) -> torch.Tensor:  # one more token per row, tokens[:, 0]
-        mask = tree_attention_mask(torch.ones(len(rows), 1, 1, dtype=torch.bool), prefix_lens[:, None], slots,
-                                   windows, torch.float32)  # fmt: skip
+        mask = tree_attention_mask(
+            torch.ones(len(rows), 1, 1, dtype=torch.bool), prefix_lens[:, None], slots, windows, torch.float32
+        )
         logits = model(tokens[rows, :1], cache=cache, attention_mask=mask, position_ids=prefix_lens[:, None]).logits
         return logits[:, 0], keep_accepted(cache, slots, [torch.tensor([0])] * len(rows), prefix_lens)
 
@@ -152,8 +153,9 @@ def test_rows_of_different_lengths_attend_as_causal_runs_after_uneven_acceptance
         for row in (0, 1):
             for path in TREE.retrieve:
                 nodes = path[path >= 0]
-                torch.testing.assert_close(tree_logits[row, nodes], causal(row, tokens[row, nodes]), atol=1e-5,
-                                           rtol=1e-4)  # fmt: skip
+                torch.testing.assert_close(
+                    tree_logits[row, nodes], causal(row, tokens[row, nodes]), atol=1e-5, rtol=1e-4
+                )
         deepest = TREE.retrieve[-1][TREE.retrieve[-1] >= 0]
         accepted = [deepest[:4], deepest[:1]]  # row 0: root and 3 candidates; row 1: its root alone
         slots = keep_accepted(cache, slots, accepted, prefix_lens)  # (2, 13): 3 more empty slots in row 1
@@ -170,6 +172,7 @@ def test_rows_of_different_lengths_attend_as_causal_runs_after_uneven_acceptance
         torch.testing.assert_close(after[0], causal(1, ids)[-1], atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lookup", [None, Lookup((3, 3))])
 def test_each_row_samples_its_own_prompts_distribution(lookup):
     """Rows of two prompts (3 and 6 tokens) sampled together, 64 to a batch: each prompt's continuations follow
@@ -203,12 +206,25 @@ def test_bad_batches_are_clear_errors(tokenizer):
 # RoPE whose frequencies follow the longest sequence of a pass: dynamic NTK (changes past max_position_embeddings,
 # the context window) and longrope (short factors up to original_max_position_embeddings, long past it)
 LENGTH_ROPE = {
-    "dynamic": ("llama", {"max_position_embeddings": 48,
-                          "rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}}),
-    "longrope": ("phi3", {"max_position_embeddings": 128, "original_max_position_embeddings": 48,
-                          "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
-                                              "long_factor": [4.0] * 8, "original_max_position_embeddings": 48}}),
-}  # fmt: skip
+    "dynamic": (
+        "llama",
+        {"max_position_embeddings": 48, "rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}},
+    ),
+    "longrope": (
+        "phi3",
+        {
+            "max_position_embeddings": 128,
+            "original_max_position_embeddings": 48,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 1e4,
+                "short_factor": [1.0] * 8,
+                "long_factor": [4.0] * 8,
+                "original_max_position_embeddings": 48,
+            },
+        },
+    ),
+}
 
 
 @pytest.mark.parametrize("name", LENGTH_ROPE)
@@ -257,6 +273,7 @@ def test_eagle_with_lookup_on_planned_dynamic_trees_decodes_batches_to_the_conte
     stop = tokenizer.decode(expected[1][5:7])  # ends prompt 1's answer early, the others' maybe
     stopped = decoder.generate(PROMPTS[:3], max_new_tokens=new, stop=[stop], batch_size=2)
     alone = [decoder.generate(prompt, max_new_tokens=new, stop=[stop]) for prompt in PROMPTS[:3]]
-    assert [(r.text, r.token_ids, r.finish_reason) for r in stopped] == [(r.text, r.token_ids, r.finish_reason)
-                                                                        for r in alone]  # fmt: skip
+    assert [(r.text, r.token_ids, r.finish_reason) for r in stopped] == [
+        (r.text, r.token_ids, r.finish_reason) for r in alone
+    ]
     assert stopped[1].finish_reason == "stop" and len(stopped[1].token_ids) <= 7

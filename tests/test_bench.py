@@ -10,14 +10,31 @@ from mtp.tools.bench import Answered, Run, acceptance_line, markdown, summarise
 from tests.conftest import DATA, ROOT, save_random_heads
 
 
-@pytest.mark.parametrize("sampling", [["--lookup", "4", "--repeat", "2"],
-                                      ["--temperature", "0.7", "--top-p", "0.9", "--seed", "0"]],
-                         ids=["greedy-lookup", "sampling-heads-alone"])  # fmt: skip
+@pytest.mark.parametrize(
+    "sampling",
+    [["--lookup", "4", "--repeat", "2"], ["--temperature", "0.7", "--top-p", "0.9", "--seed", "0"]],
+    ids=["greedy-lookup", "sampling-heads-alone"],
+)
+@pytest.mark.slow
 def test_bench_writes_its_json_and_table_and_finds_no_mismatch(tmp_path, sampling):
     path, _, _ = save_random_heads(tmp_path, "own")
     out = tmp_path / "bench.json"
-    command = [sys.executable, "-m", "mtp.tools.bench", "--drafter", path, "--questions", str(DATA / "mt_bench.jsonl"),
-               "--limit", "3", "--max-new-tokens", "12", "--out", str(out), *sampling]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "mtp.tools.bench",
+        "--drafter",
+        path,
+        "--questions",
+        str(DATA / "mt_bench.jsonl"),
+        "--limit",
+        "3",
+        "--max-new-tokens",
+        "12",
+        "--out",
+        str(out),
+        *sampling,
+    ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(out.read_text())
@@ -47,11 +64,29 @@ def test_bench_writes_its_json_and_table_and_finds_no_mismatch(tmp_path, samplin
     assert out.with_suffix(".md").read_text().startswith("| category |") and "| overall | 3 |" in done.stdout
 
 
+@pytest.mark.slow
 def test_bench_of_batches_measures_each_size_and_finds_mtp_equal_to_each_prompt_alone(tmp_path):
     path, _, _ = save_random_heads(tmp_path, "own")
     out = tmp_path / "bench.json"
-    command = [sys.executable, "-m", "mtp.tools.bench", "--drafter", path, "--questions", str(DATA / "mt_bench.jsonl"),
-               "--limit", "5", "--max-new-tokens", "12", "--out", str(out), "--batch-size", "1", "2", "4"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "mtp.tools.bench",
+        "--drafter",
+        path,
+        "--questions",
+        str(DATA / "mt_bench.jsonl"),
+        "--limit",
+        "5",
+        "--max-new-tokens",
+        "12",
+        "--out",
+        str(out),
+        "--batch-size",
+        "1",
+        "2",
+        "4",
+    ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(out.read_text())["batches"]
@@ -67,8 +102,11 @@ def test_bench_of_batches_measures_each_size_and_finds_mtp_equal_to_each_prompt_
 def answered(passes, tokens, plain, lookup, seconds, lengths, from_lookup, matches=True) -> Answered:
     """A question's answers: mtp's forward passes, tokens of mtp, plain and lookup, seconds of mtp, plain and lookup,
     mtp's accept lengths and its accepted candidates from lookup."""
-    runs = {"plain": Run(plain, seconds[1]), "lookup": Run(lookup, seconds[2]),
-            "mtp": Run(tokens, seconds[0], passes, matches)}  # fmt: skip
+    runs = {
+        "plain": Run(plain, seconds[1]),
+        "lookup": Run(lookup, seconds[2]),
+        "mtp": Run(tokens, seconds[0], passes, matches),
+    }
     from_heads = sum(lengths) - len(lengths) - from_lookup
     return Answered("all", runs, Acceptance(lengths, {"heads": from_heads, "lookup": from_lookup}))
 
@@ -79,8 +117,11 @@ def joined(answers: list[Answered], name: str, run) -> list[Answered]:
     for i, a in enumerate(answers):
         runs = {**a.runs, name: run(i, a)}
         if not name.startswith("against_"):
-            runs = {n: runs[n] for n in ("plain", "plain_fast", "plain_compiled", "lookup", "heads", "mtp", *a.runs)
-                    if n in runs}  # fmt: skip
+            runs = {
+                n: runs[n]
+                for n in ("plain", "plain_fast", "plain_compiled", "lookup", "heads", "mtp", *a.runs)
+                if n in runs
+            }
         placed.append(Answered(a.category, runs, a.acceptance))
     return placed
 
@@ -90,9 +131,11 @@ def unchecked(answers: list[Answered]) -> list[Answered]:
     return joined(answers, "mtp", lambda i, a: replace(a.runs["mtp"], matches_plain=None))
 
 
-ANSWERS = [answered(4, 10, 10, 10, (0.5, 1.0, 0.5), [3, 3, 2, 1], 2),
-           answered(6, 20, 14, 20, (1.0, 1.0, 2.5), [4] + [3] * 5, 5, False),
-           answered(5, 5, 6, 5, (0.25, 0.5, 0.5), [1] * 5, 0)]  # fmt: skip
+ANSWERS = [
+    answered(4, 10, 10, 10, (0.5, 1.0, 0.5), [3, 3, 2, 1], 2),
+    answered(6, 20, 14, 20, (1.0, 1.0, 2.5), [4] + [3] * 5, 5, False),
+    answered(5, 5, 6, 5, (0.25, 0.5, 0.5), [1] * 5, 0),
+]
 
 
 def test_summarise_counts_each_methods_own_tokens_and_only_real_mismatches():
@@ -108,6 +151,7 @@ def test_summarise_counts_each_methods_own_tokens_and_only_real_mismatches():
     with_heads = summarise(joined(ANSWERS, "heads", lambda i, a: Run(a.runs["mtp"].tokens, 2 * a.runs["mtp"].seconds)))
     assert with_heads.tokens_per_second["heads"] == 10.0 and with_heads.speedup["heads"] == 2.0
     assert summarise(unchecked(ANSWERS)).mismatches == {"mtp": None}  # sampling: not compared
+
     def plain_fast(scale: float) -> list[Answered]:
         return joined(ANSWERS, "plain_fast", lambda i, a: Run(a.runs["plain"].tokens, a.runs["plain"].seconds * scale))
 
@@ -181,8 +225,9 @@ def test_llama_cpp_answers_the_same_prompt_tokens_greedily_from_an_empty_cache(m
     sys.modules["llama_cpp"].Llama = FakeLlama
     (tmp_path / "base.gguf").write_bytes(b"")
     peer = LlamaCpp(str(tmp_path / "base.gguf"), threads=2, context=4096)
-    assert FakeLlama.made[-1].settings == dict(model_path=str(tmp_path / "base.gguf"), n_ctx=4096, n_threads=2,
-                                               n_threads_batch=2, verbose=False)  # fmt: skip
+    assert FakeLlama.made[-1].settings == dict(
+        model_path=str(tmp_path / "base.gguf"), n_ctx=4096, n_threads=2, n_threads_batch=2, verbose=False
+    )
     assert peer.answer(torch.tensor([[5]]), 16, GREEDY, {2}).tokens == 3  # 7, 8, 9: stopped at the EOS
     assert peer.answer(torch.tensor([[5, 6]]), 16, Sampling(temperature=0.7, top_p=0.9), {2}).tokens == 16
     (first, greedy), (second, sampled) = FakeLlama.made[-1].calls

@@ -74,8 +74,9 @@ def assert_the_eager_logits(compiled, model, prompt: torch.Tensor, tokens, posit
         compiled.load(prefilled(model, prompt))
         ours = compiled.run(tokens, positions, tree_mask, slots)
         mask = tree_attention_mask(tree_mask, positions, slots, compiled.target.windows, compiled.target.dtype)
-        theirs = compiled.target.run(False, input_ids=tokens, position_ids=positions, attention_mask=mask,
-                                     cache=prefilled(model, prompt))  # fmt: skip
+        theirs = compiled.target.run(
+            False, input_ids=tokens, position_ids=positions, attention_mask=mask, cache=prefilled(model, prompt)
+        )
     torch.testing.assert_close(ours.logits, compiled.target.logits(theirs.last), atol=1e-5, rtol=1e-4)
 
 
@@ -102,9 +103,11 @@ def test_compiled_logits_equal_the_eager_passes_in_every_bucket(model, compiled,
     assert int(compiled.cache.get_seq_length()) == prompt.shape[1] + (compiled.bucket(tree.size) or tree.size)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention, bucket", [("sdpa", 4), ("eager", 8)])
-def test_the_cpp_gemm_templates_a_cpu_compiles_by_default_give_the_eager_logits(attention, bucket, tokenizer,
-                                                                                 monkeypatch, tmp_path):  # fmt: skip
+def test_the_cpp_gemm_templates_a_cpu_compiles_by_default_give_the_eager_logits(
+    attention, bucket, tokenizer, monkeypatch, tmp_path
+):
     """The pass as mtp compiles it on a CPU by default (in float32 each product inductor's C++ GEMM template, its
     weight packed into the template's blocks), 3 nodes padded to 4 or to 8 (on AVX2, 8 rows at once): every node's
     logits those of the eager pass. Attention written as products of activations (eager), which no template
@@ -130,9 +133,11 @@ def test_the_cpp_gemm_templates_a_cpu_compiles_by_default_give_the_eager_logits(
     assert read == linears
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weights", ["int4", "int8"])
-def test_a_quantized_base_compiles_to_its_eager_logits_and_reads_its_blocks_in_place(weights, tokenizer, monkeypatch,
-                                                                                    tmp_path):  # fmt: skip
+def test_a_quantized_base_compiles_to_its_eager_logits_and_reads_its_blocks_in_place(
+    weights, tokenizer, monkeypatch, tmp_path
+):
     """A base whose linear layers keep their weights in blocks (mtp.quantized): the compiled pass calls the block
     kernel, its logits are the eager pass's over 1 and 3 nodes, its constants the model's own block tensors, and
     greedy decoding on it is its plain greedy decoding."""
@@ -147,8 +152,11 @@ def test_a_quantized_base_compiles_to_its_eager_logits_and_reads_its_blocks_in_p
     recipes = json.loads(compiled._package_path().with_suffix(".json").read_text())
     tensors = compiled._tensors
     blocks = {name for name in tensors if name.endswith((".q", ".scale", ".minimum"))}
-    read = {name for constant, (name, form, _) in recipes.items() if name in blocks and form == "same"
-            and compiled._constants[constant].data_ptr() == tensors[name].data_ptr()}  # fmt: skip
+    read = {
+        name
+        for constant, (name, form, _) in recipes.items()
+        if name in blocks and form == "same" and compiled._constants[constant].data_ptr() == tensors[name].data_ptr()
+    }
     assert len(blocks) == 15 * (3 if weights == "int4" else 2) and read == blocks
     heads = random_heads(model)
     result = Decoder(model, tokenizer, heads, SMALL, compiled=compiled).generate(PROMPT, max_new_tokens=24)
@@ -187,9 +195,14 @@ def test_on_avx2_a_float_product_of_8_rows_takes_the_micro_kernel_of_8_rows():
 
     graph = types.SimpleNamespace(sizevars=SizeVarAllocator())
     with mock.patch.object(cpp_micro_gemm, "pick_vec_isa", VecAVX2), V.set_graph_handler(graph):
-        blocks = {rows: tuple(cpp_micro_gemm.create_micro_gemm("product", rows, 576, 576, torch.float, torch.float,
-                                                               num_threads=2).register_blocking)
-                  for rows in (1, 4, 8, 16)}  # fmt: skip
+        blocks = {
+            rows: tuple(
+                cpp_micro_gemm.create_micro_gemm(
+                    "product", rows, 576, 576, torch.float, torch.float, num_threads=2
+                ).register_blocking
+            )
+            for rows in (1, 4, 8, 16)
+        }
     assert blocks == {1: (4, 24, 1), 4: (4, 24, 1), 8: (8, 8, 1), 16: (8, 8, 1)}
 
 
@@ -203,7 +216,7 @@ def test_the_static_cache_after_acceptance_equals_a_causal_run(model, compiled, 
     batch = decoder.batch()
     settled = [batch.add(prompt)]
     for _ in range(5):
-        (tokens, _), = batch.step()
+        ((tokens, _),) = batch.step()
         settled += tokens
     assert batch.static and len(settled) > 5 + 1  # accepted more than the bonus tokens, on the static cache
     filled = batch.slots.shape[1]
@@ -218,12 +231,16 @@ def test_the_static_cache_after_acceptance_equals_a_causal_run(model, compiled, 
 
 @pytest.mark.parametrize("heads", ["none", "random", "oracle"])
 def test_greedy_decoding_on_the_compiled_pass_is_plain_greedy_and_compiles_nothing_more(
-        model, compiled, tokenizer, heads, monkeypatch):  # fmt: skip
+    model, compiled, tokenizer, heads, monkeypatch
+):
     """200 new tokens, plain steps (bucket 1) or 4-node trees (bucket 4), without tracing or compiling anything."""
     prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
     expected = reference(model, prompt, 200)
-    drafter = {"none": None, "random": random_heads(model, num_heads=3),
-               "oracle": OracleHeads(model, torch.cat([prompt[0], torch.tensor(expected)]), num_heads=3)}[heads]
+    drafter = {
+        "none": None,
+        "random": random_heads(model, num_heads=3),
+        "oracle": OracleHeads(model, torch.cat([prompt[0], torch.tensor(expected)]), num_heads=3),
+    }[heads]
 
     def forbidden(*args, **kwargs):
         raise AssertionError("traced or compiled while decoding")
@@ -254,7 +271,7 @@ def test_batches_and_requests_past_the_cache_move_to_eager_steps_and_stay_exact(
     settled, static = [batch.add(prompt, max_length=prompt.shape[1] + 300)], []
     while len(settled) < 300:
         static.append(batch.static)
-        (tokens, _), = batch.step()
+        ((tokens, _),) = batch.step()
         settled += tokens
     assert static[0] and not static[-1] and static == sorted(static, reverse=True)  # static, then eager for good
     assert settled[:300] == reference(model, prompt, 300)
@@ -272,16 +289,18 @@ def test_two_interleaved_streams_of_one_decoder_do_not_share_the_static_cache(mo
         assert result.token_ids == reference(model, tokenizer(prompt, return_tensors="pt").input_ids, 40)
 
 
-def test_lookup_past_the_largest_bucket_is_cut_to_it_and_every_pass_runs_compiled(model, compiled, tokenizer,
-                                                                                   monkeypatch):  # fmt: skip
+def test_lookup_past_the_largest_bucket_is_cut_to_it_and_every_pass_runs_compiled(
+    model, compiled, tokenizer, monkeypatch
+):
     """Prompt lookup proposing up to 10 tokens beside a 4-node tree, 4 nodes the largest bucket: lookup's nodes past
     it are dropped, so no pass runs eagerly over more nodes, and greedy output stays plain greedy."""
     text = "one two three four five six seven eight nine ten eleven twelve " * 3
     run, sizes, cuts, head = compiled.run, [], [], Tree.head
     monkeypatch.setattr(compiled, "run", lambda tokens, *rest: sizes.append(tokens.shape[1]) or run(tokens, *rest))
     monkeypatch.setattr(Tree, "head", lambda tree, size: cuts.append(tree.size > size) or head(tree, size))
-    decoder = Decoder(model, tokenizer, random_heads(model, num_heads=3), SMALL, Lookup((10, 10, 10)),
-                      compiled=compiled)  # fmt: skip
+    decoder = Decoder(
+        model, tokenizer, random_heads(model, num_heads=3), SMALL, Lookup((10, 10, 10)), compiled=compiled
+    )
     result = decoder.generate(text, max_new_tokens=40)
     assert result.token_ids == reference(model, tokenizer(text, return_tensors="pt").input_ids, 40)
     assert any(cuts) and max(sizes) == 4  # lookup proposed past 4 nodes, and was cut
@@ -353,8 +372,10 @@ def test_inductors_patches_are_skipped_outside_the_torch_they_were_written_for_a
     monkeypatch.setattr(internals, "_accumulators_in_registers", _accumulators_in_registers)
     assert internals.cpu_pass_settings(True)["max_autotune_report_choices_stats"] is False
     error = capsys.readouterr().err.splitlines()
-    assert error == ["mtp: accumulators_in_registers skipped (AttributeError: type object 'CppMicroGemmFP32Vec' has no "
-                     "attribute 'TEMPLATE_KERNEL'): passes of 4 and 8 nodes up to 1.5x slower"]  # fmt: skip
+    assert error == [
+        "mtp: accumulators_in_registers skipped (AttributeError: type object 'CppMicroGemmFP32Vec' has no "
+        "attribute 'TEMPLATE_KERNEL'): passes of 4 and 8 nodes up to 1.5x slower"
+    ]
 
 
 def test_buckets_are_checked():
@@ -362,8 +383,10 @@ def test_buckets_are_checked():
         CompiledPass(Target(tiny_model()), buckets=(4, 1))
 
 
-def test_the_compiled_pass_is_kept_on_disk_and_loaded_later_for_the_same_weights_only(model, tokenizer, monkeypatch,
-                                                                                        tmp_path, capsys):  # fmt: skip
+@pytest.mark.slow
+def test_the_compiled_pass_is_kept_on_disk_and_loaded_later_for_the_same_weights_only(
+    model, tokenizer, monkeypatch, tmp_path, capsys
+):
     """On a CPU the pass is an AOTInductor package in mtp's cache folder, made once: a later pass of the same model
     (as in a later process) loads it without tracing or compiling, and says that it loads. The weights are frozen
     into a package, so a model of the same shapes with other weights gets a package of its own, and decodes on its
@@ -376,8 +399,10 @@ def test_the_compiled_pass_is_kept_on_disk_and_loaded_later_for_the_same_weights
     assert "mtp: compiling the verification pass for 2 nodes on cpu" in capsys.readouterr().err
     CompiledPass(Target(model), buckets=(2,), length=64, templates=False).warm_up()
     assert len(made) == 1  # loaded
-    assert f"mtp: loading the verification pass compiled for 2 nodes (from {tmp_path / 'passes'}) 2: " in \
-        capsys.readouterr().err
+    assert (
+        f"mtp: loading the verification pass compiled for 2 nodes (from {tmp_path / 'passes'}) 2: "
+        in capsys.readouterr().err
+    )
     other = tiny_model(seed=1)
     second = CompiledPass(Target(other), buckets=(2,), length=64, templates=False)
     second.warm_up()
@@ -387,6 +412,7 @@ def test_the_compiled_pass_is_kept_on_disk_and_loaded_later_for_the_same_weights
     assert decoder.generate(PROMPT, max_new_tokens=20).token_ids == reference(other, prompt, 20)
 
 
+@pytest.mark.slow
 def test_every_bucket_runs_one_package_and_plain_decoding_compiles_one_node(model, tokenizer, monkeypatch, tmp_path):
     """The node count is a dimension of one package's inputs: buckets 1, 4 and 8 compile one package (so the
     weights it freezes are held once) whose passes over 1 to 8 nodes give the eager logits; `compile_pass` for a
@@ -406,15 +432,19 @@ def test_every_bucket_runs_one_package_and_plain_decoding_compiles_one_node(mode
             ours = compiled.run(tokens, positions, torch.ones(1, size, size, dtype=torch.bool).tril(), slots)
             causal = model(input_ids=torch.cat([prompt, tokens], 1)).logits[:, prompt.shape[1] :]
         torch.testing.assert_close(ours.logits, causal, atol=1e-5, rtol=1e-4)
-    monkeypatch.setattr(compiled_module, "CompiledPass", lambda target, every_layer, buckets: types.SimpleNamespace(
-        buckets=buckets, warm_up=lambda: None))  # fmt: skip
+    monkeypatch.setattr(
+        compiled_module,
+        "CompiledPass",
+        lambda target, every_layer, buckets: types.SimpleNamespace(buckets=buckets, warm_up=lambda: None),
+    )
     assert compile_pass(model, True, nodes=1).buckets == (1,)
     assert compile_pass(model, True, nodes=3).buckets == (1, 4)
     assert compile_pass(model, True, nodes=11).buckets == (1, 4, 8)
 
 
 def test_the_vector_instructions_checked_once_on_a_machine_are_trusted_while_the_cpu_reports_the_same(
-        monkeypatch, tmp_path):  # fmt: skip
+    monkeypatch, tmp_path
+):
     """Inductor compiles and loads a program per instruction set in every process (24 s on the 2-core Zen 4 EPYC);
     mtp keeps what the check found per machine and torch version and, later, skips the check while what the CPU
     reports picks the same set; a record of another set (a changed machine or compiler) checks again."""
@@ -450,8 +480,9 @@ def test_two_threads_decoding_with_one_decoder_each_answer_as_plain_greedy(model
     assert compiled._holder is None
 
 
-def test_a_stream_interrupted_mid_step_leaves_the_decoder_decoding_the_next_prompt_compiled(model, compiled, tokenizer,
-                                                                                           monkeypatch):  # fmt: skip
+def test_a_stream_interrupted_mid_step_leaves_the_decoder_decoding_the_next_prompt_compiled(
+    model, compiled, tokenizer, monkeypatch
+):
     decoder = Decoder(model, tokenizer, random_heads(model, num_heads=3), SMALL, compiled=compiled)
     step, steps = Batch.step, []
 
@@ -472,8 +503,9 @@ def test_a_stream_interrupted_mid_step_leaves_the_decoder_decoding_the_next_prom
     assert decoder.generate(PROMPT, max_new_tokens=30).token_ids == expected and passes and all(passes)
 
 
-def test_a_row_outgrowing_the_static_cache_goes_on_eagerly_losslessly_said_once(model, compiled, tokenizer, monkeypatch,
-                                                                                 capsys):  # fmt: skip
+def test_a_row_outgrowing_the_static_cache_goes_on_eagerly_losslessly_said_once(
+    model, compiled, tokenizer, monkeypatch, capsys
+):
     decoder = Decoder(model, tokenizer, random_heads(model, num_heads=3), SMALL, compiled=compiled)
     monkeypatch.setattr(compiled, "_outgrown", False)
     for words in (28, 22):  # a prompt past the cache's 256 slots; one that its answer takes past them

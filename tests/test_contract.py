@@ -53,8 +53,9 @@ def probe():
         def __init__(self, config):
             super().__init__()
             self.config = config
-            self.maps = nn.ModuleList(nn.Linear(config.hidden_size, config.hidden_size, bias=False)
-                                      for _ in range(config.num_heads))  # fmt: skip
+            self.maps = nn.ModuleList(
+                nn.Linear(config.hidden_size, config.hidden_size, bias=False) for _ in range(config.num_heads)
+            )
             for linear in self.maps:
                 nn.init.eye_(linear.weight)
 

@@ -174,8 +174,11 @@ def test_validation_batches_are_the_held_out_examples(tmp_path, tokenizer):
     data.setup("fit")
 
     def seen(loader) -> list[tuple[int, ...]]:  # the token ids of each example, over one pass of a loader
-        return [tuple(ids[attended.bool()].tolist()) for batch in loader
-                for ids, attended in zip(batch["input_ids"], batch["attention_mask"], strict=True)]  # fmt: skip
+        return [
+            tuple(ids[attended.bool()].tolist())
+            for batch in loader
+            for ids, attended in zip(batch["input_ids"], batch["attention_mask"], strict=True)
+        ]
 
     train, val = seen(data.train_dataloader()), seen(data.val_dataloader())
     assert len(set(train)) == len(train) == 15 and len(set(val)) == len(val) == 5 and not set(train) & set(val)

@@ -39,6 +39,7 @@ if torch.distributed.is_initialized():  # as train.py: left to the interpreter's
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["medusa", "hydra", "eagle", "eagle-features"])  # features: written by 2, then read
 def test_two_processes_reach_the_weights_one_process_reaches_on_the_same_batches(tmp_path, kind):
     script = tmp_path / "train_tiny.py"

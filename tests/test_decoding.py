@@ -50,8 +50,9 @@ def test_a_step_runs_only_the_heads_its_tree_reaches(tokenizer):
     model = tiny_model()
     heads, asked = random_heads(model), []
     guess = heads.guess
-    heads.guess = lambda hidden, following, head, k, lm_head: asked.append(head) or guess(hidden, following, head, k,
-                                                                                         lm_head)  # fmt: skip
+    heads.guess = lambda hidden, following, head, k, lm_head: (
+        asked.append(head) or guess(hidden, following, head, k, lm_head)
+    )
     shallow = Tree.from_paths([(0,), (1,), (0, 0)])  # depth 2: heads 0 and 1 of 4
     result = Decoder(model, tokenizer, heads, shallow).generate(PROMPT, max_new_tokens=12)
     assert result.token_ids == reference(model, tokenizer(PROMPT, return_tensors="pt").input_ids, 12)
@@ -149,14 +150,23 @@ def test_trained_heads_give_the_base_models_greedy_output(tokenizer, tmp_path, h
     module = DrafterModule(
         TINY_BASE, drafter=Drafting(num_heads=4, lm_head="own", head_type=head_type), optim=Optim(lr=3e-3)
     )
-    trainer = L.Trainer(max_steps=30, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path)  # fmt: skip
+    trainer = L.Trainer(
+        max_steps=30,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(module, DrafterDataModule(TINY_CHAT, TINY_BASE, batch_size=8))
     model = module.base_model
     model.generation_config.eos_token_id = None  # no early stop on either side
     decoder = Decoder(model, tokenizer, module.drafter.eval(), TREE)
-    chats = [[{"role": "user", "content": question}] for question in ("Count from 3 to 20.", "Hi",
-             "List 9 days of the week starting with Monday.")]  # fmt: skip
+    chats = [
+        [{"role": "user", "content": question}]
+        for question in ("Count from 3 to 20.", "Hi", "List 9 days of the week starting with Monday.")
+    ]
     expected = [reference(model, decoder.encode(messages), 32) for messages in chats]
     for messages, tokens in zip(chats, expected, strict=True):
         result = decoder.generate(messages, max_new_tokens=32)
@@ -166,6 +176,7 @@ def test_trained_heads_give_the_base_models_greedy_output(tokenizer, tmp_path, h
     assert [result.token_ids for result in batched] == expected
 
 
+@pytest.mark.slow
 def test_the_packaged_smollm2_decodes_mt_bench_exactly_as_its_own_greedy_search():
     import json
 
@@ -187,6 +198,7 @@ def test_the_packaged_smollm2_decodes_mt_bench_exactly_as_its_own_greedy_search(
         assert result.token_ids == expected and result.tau > 3
 
 
+@pytest.mark.slow
 def test_the_shipped_heads_decode_the_first_mt_bench_question_as_plain_greedy_does():
     import json
 

@@ -153,8 +153,12 @@ def test_a_finished_row_takes_the_next_prompt_and_every_answer_is_still_the_prom
     base = varied_tiny_base(tmp_path / "model")
     questions = ["Hi?", "Count from one to nine.", "Why is the sky blue?", "Name a fruit.", "What is two and two?"]
     model, tokenizer = load_base(base)
-    inputs = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True) for q in questions]  # fmt: skip
+    inputs = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+        for q in questions
+    ]
     model.generation_config.eos_token_id = None
     free = [model.generate(**x, max_new_tokens=12, do_sample=False)[0, x["input_ids"].shape[1] :] for x in inputs]
     eos = int(free[0][3])  # answer 0 ends after 3 tokens
@@ -184,10 +188,15 @@ def test_a_drafter_answers_as_the_base_alone_and_samples_do_not_depend_on_the_ba
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps([{"text": f"Question {i}: " + "why? " * i} for i in range(5)]))
     found = {}
-    for name, settings in {"alone": {}, "drafter": {"drafter": heads}, "sampled 1": {"temperature": 1.0},
-                           "sampled 3": {"temperature": 1.0, "batch_size": 3}}.items():  # fmt: skip
-        run_distill(Distill(prompts=str(prompts), max_new_tokens=8, **({"batch_size": 2} | settings)), base,
-                    tmp_path / name)  # fmt: skip
+    for name, settings in {
+        "alone": {},
+        "drafter": {"drafter": heads},
+        "sampled 1": {"temperature": 1.0},
+        "sampled 3": {"temperature": 1.0, "batch_size": 3},
+    }.items():
+        run_distill(
+            Distill(prompts=str(prompts), max_new_tokens=8, **({"batch_size": 2} | settings)), base, tmp_path / name
+        )
         found[name] = by_index(lines(tmp_path / name))
     assert found["drafter"] == found["alone"] and len(found["alone"]) == 5
     assert found["sampled 1"] == found["sampled 3"] != found["alone"]
@@ -237,6 +246,7 @@ def test_a_run_killed_mid_way_and_rerun_with_another_number_of_processes_loses_a
     assert by_index(lines(tmp_path / "split")) == by_index(lines(tmp_path / "alone"))  # each prompt once
 
 
+@pytest.mark.slow
 def test_training_under_ddp_on_two_processes_distills_on_both_first(tmp_path):
     """train.py with 2 CPU processes (gloo): each process answers its share into its own shard, both wait for
     the other, then train on all of them; the answers are one process's, order aside."""
@@ -245,12 +255,37 @@ def test_training_under_ddp_on_two_processes_distills_on_both_first(tmp_path):
     prompts.write_text(
         json.dumps([{"conversations": [{"from": "human", "value": f"Question {i}?"}]} for i in range(8)])
     )
-    command = [sys.executable, str(ROOT / "train.py"), "fit", "--config", str(ROOT / "configs" / "tiny.yaml"),
-               "--model.base_model", base, "--data.data", str(tmp_path / "answers"), "--data.distill.prompts",
-               str(prompts), "--data.distill.max_new_tokens", "6", "--data.distill.batch_size", "2",
-               "--data.batch_size", "2", "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu",
-               "--trainer.devices", "2", "--trainer.max_steps", "2", "--trainer.enable_progress_bar", "false",
-               "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")]  # fmt: skip
+    command = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        "fit",
+        "--config",
+        str(ROOT / "configs" / "tiny.yaml"),
+        "--model.base_model",
+        base,
+        "--data.data",
+        str(tmp_path / "answers"),
+        "--data.distill.prompts",
+        str(prompts),
+        "--data.distill.max_new_tokens",
+        "6",
+        "--data.distill.batch_size",
+        "2",
+        "--data.batch_size",
+        "2",
+        "--trainer.strategy",
+        "ddp",
+        "--trainer.accelerator",
+        "cpu",
+        "--trainer.devices",
+        "2",
+        "--trainer.max_steps",
+        "2",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.logger.init_args.save_dir",
+        str(tmp_path / "runs"),
+    ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(path.name for path in (tmp_path / "answers").iterdir()) == ["rank-00000", "rank-00001"]

@@ -71,6 +71,7 @@ def test_the_pages_show_commands():
     assert len(CASES) >= 20 and {case.values[0].name for case in CASES} >= {"README.md"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page,command", CASES)
 def test_a_documented_command_names_real_files_and_flags(page, command):
     head, words = invocation(command)

@@ -94,8 +94,9 @@ def test_oracle_heads_on_a_dynamic_tree_go_deep_and_lookup_grafts_onto_it(tokeni
     oracle = OracleHeads(model, torch.cat([input_ids[0], torch.tensor(expected)]), num_heads=4)
     result = Decoder(model, tokenizer, oracle, DynamicTree(6, 4, 2)).generate(PROMPT, max_new_tokens=40)
     assert result.token_ids == expected[:40] and result.tau > 3.5  # the sure chain is chosen before any sibling
-    with_lookup = Decoder(model, tokenizer, random_heads(model, head_type="hydra"), DynamicTree(4, 2, 2),
-                          Lookup((3, 3))).generate(PROMPT, max_new_tokens=40)  # fmt: skip
+    with_lookup = Decoder(
+        model, tokenizer, random_heads(model, head_type="hydra"), DynamicTree(4, 2, 2), Lookup((3, 3))
+    ).generate(PROMPT, max_new_tokens=40)
     assert with_lookup.token_ids == expected[:40]
 
 
@@ -141,8 +142,11 @@ def test_rows_at_many_roots_of_one_sequence_draft_as_rows_added_one_by_one(head_
     fast, alone = drafter.proposer(target, {}), drafter.proposer(target, {})
     fast.at_roots(ids, states, roots)
     for p in roots:
-        alone.add(ids[:p], target.run(bool(drafter.config.feature_layers), input_ids=ids[None, :p],
-                                      cache=DynamicCache()), int(ids[p]))  # fmt: skip
+        alone.add(
+            ids[:p],
+            target.run(bool(drafter.config.feature_layers), input_ids=ids[None, :p], cache=DynamicCache()),
+            int(ids[p]),
+        )
     first = [ids[p : p + 1] for p in roots]
     (fast_trees, fast_tokens), (trees, tokens) = (
         fast.propose(Plan(plan), None, first, [3] * 3, 0),

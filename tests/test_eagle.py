@@ -36,14 +36,20 @@ def test_the_parameters_are_named_and_shaped_as_eagle3_checkpoints_have_them(tmp
     shapes = {name: tuple(t.shape) for name, t in load_file(tmp_path / "model.safetensors").items()}
     assert shapes == {
         "fc.weight": (64, 2 * 64),  # two feature layers of the tiny model, fused
-        "midlayer.input_layernorm.weight": (64,), "midlayer.hidden_norm.weight": (64,),
-        "midlayer.self_attn.q_proj.weight": (64, 128), "midlayer.self_attn.k_proj.weight": (32, 128),
-        "midlayer.self_attn.v_proj.weight": (32, 128), "midlayer.self_attn.o_proj.weight": (64, 64),
+        "midlayer.input_layernorm.weight": (64,),
+        "midlayer.hidden_norm.weight": (64,),
+        "midlayer.self_attn.q_proj.weight": (64, 128),
+        "midlayer.self_attn.k_proj.weight": (32, 128),
+        "midlayer.self_attn.v_proj.weight": (32, 128),
+        "midlayer.self_attn.o_proj.weight": (64, 64),
         "midlayer.post_attention_layernorm.weight": (64,),
-        "midlayer.mlp.gate_proj.weight": (128, 64), "midlayer.mlp.up_proj.weight": (128, 64),
+        "midlayer.mlp.gate_proj.weight": (128, 64),
+        "midlayer.mlp.up_proj.weight": (128, 64),
         "midlayer.mlp.down_proj.weight": (64, 128),
-        "norm.weight": (64,), "d2t": (4,), "t2d": (512,),
-    }  # fmt: skip
+        "norm.weight": (64,),
+        "d2t": (4,),
+        "t2d": (512,),
+    }
     loaded = Drafter.from_pretrained(tmp_path)
     assert (loaded.d2t + torch.arange(4)).tolist() == [3, 5, 7, 9]  # draft id i is target id i + d2t[i]
     assert loaded.t2d.nonzero()[:, 0].tolist() == [3, 5, 7, 9]

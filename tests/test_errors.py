@@ -28,31 +28,68 @@ def wrong_base_heads(tmp_path) -> str:
 CASES = {
     "empty prompt": (decode.main, ["--base-model", TINY_BASE, "--prompt", ""], "The prompt is empty"),
     "blank prompt": (decode.main, ["--base-model", TINY_BASE, "--prompt", "  \n"], "The prompt is empty"),
-    "negative max_new_tokens": (decode.main, ["--base-model", TINY_BASE, "--prompt", "Hi", "--max-new-tokens", "-3"],
-                                "max_new_tokens=-3: use 0 or a positive number"),
-    "past the context": (decode.main, ["--base-model", TINY_BASE, "--prompt", "Hi", "--max-new-tokens", "5000"],
-                         "past the model's context window of 2048 tokens: lower max_new_tokens to at most"),
+    "negative max_new_tokens": (
+        decode.main,
+        ["--base-model", TINY_BASE, "--prompt", "Hi", "--max-new-tokens", "-3"],
+        "max_new_tokens=-3: use 0 or a positive number",
+    ),
+    "past the context": (
+        decode.main,
+        ["--base-model", TINY_BASE, "--prompt", "Hi", "--max-new-tokens", "5000"],
+        "past the model's context window of 2048 tokens: lower max_new_tokens to at most",
+    ),
     "missing heads": (decode.main, ["--heads", MISSING, "--prompt", "Hi"], f"{MISSING}/config.json does not exist"),
-    "wrong-base heads": (decode.main, ["--heads", "WRONG", "--base-model", TINY_BASE, "--prompt", "Hi"],
-                         "trained for base model"),
+    "wrong-base heads": (
+        decode.main,
+        ["--heads", "WRONG", "--base-model", TINY_BASE, "--prompt", "Hi"],
+        "trained for base model",
+    ),
     "bad top_p": (decode.main, ["--base-model", TINY_BASE, "--prompt", "Hi", "--top-p", "0"], "top_p=0.0"),
     "missing base model": (decode.main, ["--base-model", "/nowhere/model", "--prompt", "Hi"], "Unknown base model"),
-    "bench past the context": (mtp.tools.bench.main, ["--heads", "HEADS", "--questions", str(DATA / "mt_bench.jsonl"),
-                               "--limit", "1", "--max-new-tokens", "5000"], "past the model's context window"),
-    "bench missing questions": (mtp.tools.bench.main, ["--heads", "HEADS", "--questions", "/nowhere/q.jsonl"],
-                                "'/nowhere/q.jsonl' does not exist"),
-    "bench trees unpaired": (mtp.tools.bench.main, ["--heads", "HEADS", "--questions", str(DATA / "mt_bench.jsonl"),
-                             "--against", "HEADS", "--against", "HEADS", "--against-tree", "3"],
-                             "--against-tree given 1 times for 2 --against drafters"),
+    "bench past the context": (
+        mtp.tools.bench.main,
+        ["--heads", "HEADS", "--questions", str(DATA / "mt_bench.jsonl"), "--limit", "1", "--max-new-tokens", "5000"],
+        "past the model's context window",
+    ),
+    "bench missing questions": (
+        mtp.tools.bench.main,
+        ["--heads", "HEADS", "--questions", "/nowhere/q.jsonl"],
+        "'/nowhere/q.jsonl' does not exist",
+    ),
+    "bench trees unpaired": (
+        mtp.tools.bench.main,
+        [
+            "--heads",
+            "HEADS",
+            "--questions",
+            str(DATA / "mt_bench.jsonl"),
+            "--against",
+            "HEADS",
+            "--against",
+            "HEADS",
+            "--against-tree",
+            "3",
+        ],
+        "--against-tree given 1 times for 2 --against drafters",
+    ),
     "sizing missing heads": (mtp.tools.sizing.main, ["--heads", MISSING], "does not exist"),
     "sizing without calibration": (mtp.tools.sizing.main, ["--heads", "HEADS"], "has no calibration"),
-    "train missing data": (train.main, ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--data.data",
-                           "/nowhere/data.jsonl"], "'/nowhere/data.jsonl' does not exist"),
-    "train bad lm_head": (train.main, ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"),
-                          "--model.drafter.lm_head", "tied"], "lm_head='tied': choose 'shared'"),
-    "train flat model key": (train.main, ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--model.lr", "0.1"],
-                             "rename model.lr -> model.optim.lr"),
-}  # fmt: skip
+    "train missing data": (
+        train.main,
+        ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--data.data", "/nowhere/data.jsonl"],
+        "'/nowhere/data.jsonl' does not exist",
+    ),
+    "train bad lm_head": (
+        train.main,
+        ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--model.drafter.lm_head", "tied"],
+        "lm_head='tied': choose 'shared'",
+    ),
+    "train flat model key": (
+        train.main,
+        ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--model.lr", "0.1"],
+        "rename model.lr -> model.optim.lr",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", CASES)

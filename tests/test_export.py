@@ -62,16 +62,20 @@ def test_an_exported_folder_is_what_vllm_loads_and_computes_what_the_heads_do(tm
     weights = load_file(out / "model.safetensors")
     assert config["model_type"] == "medusa" and config["num_heads"] == 3 and config["num_hidden_layers"] == 1
     assert config["truncated_vocab_size"] == (149 if draft else config["vocab_size"])  # 3, 5, .., 299
-    loaded = {"lm_head.weight" if config["original_lm_head"] and n == "lm_heads.0.weight" else n: w.shape
-              for n, w in weights.items() if n != "token_map"}  # fmt: skip  # vLLM's load_weights renaming
+    loaded = {
+        "lm_head.weight" if config["original_lm_head"] and n == "lm_heads.0.weight" else n: w.shape
+        for n, w in weights.items()
+        if n != "token_map"
+    }  # vLLM's load_weights renaming
     assert loaded == {name: torch.Size(shape) for name, shape in vllm_parameters(config).items()}
     assert ("token_map" in weights) is draft
     hidden = torch.randn(5, config["hidden_size"], generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours = heads(hidden, model.get_output_embeddings())  # (K, N, V)
         if draft:  # our heads rank the draft tokens only: the same scores there, nothing elsewhere
-            ours = torch.full_like(ours, float("-inf")).index_copy(-1, torch.tensor(heads.config.draft_vocab),
-                                                                    ours[..., heads.config.draft_vocab])  # fmt: skip
+            ours = torch.full_like(ours, float("-inf")).index_copy(
+                -1, torch.tensor(heads.config.draft_vocab), ours[..., heads.config.draft_vocab]
+            )
     torch.testing.assert_close(vllm_logits(config, weights, hidden), ours)
 
 
@@ -86,9 +90,10 @@ def test_hydra_heads_are_refused_with_the_reason(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("to, head_type, says", [("vllm", "medusa", "vLLM Medusa heads"),
-                                                  ("eagle3", "eagle", "EAGLE-3"),
-                                                  ("speculators", "eagle", "speculators")])  # fmt: skip
+@pytest.mark.parametrize(
+    "to, head_type, says",
+    [("vllm", "medusa", "vLLM Medusa heads"), ("eagle3", "eagle", "EAGLE-3"), ("speculators", "eagle", "speculators")],
+)
 def test_the_command_writes_the_folder(tmp_path, monkeypatch, capsys, to, head_type, says):
     path, model, _ = save_random_heads(tmp_path, head_type=head_type)
     if head_type == "eagle":  # the engines tap the inputs of layers 1 .. L - 1: layer 1 of the 2-layer model
@@ -130,8 +135,11 @@ def test_heads_are_published_with_a_model_card_and_load_back_by_repository_id(tm
     assert "--drafter someone/tiny-heads" in card
 
     fetched = []
-    monkeypatch.setattr(huggingface_hub, "snapshot_download",
-                        lambda repo_id, allow_patterns: fetched.append(repo_id) or str(hub / repo_id))  # fmt: skip
+    monkeypatch.setattr(
+        huggingface_hub,
+        "snapshot_download",
+        lambda repo_id, allow_patterns: fetched.append(repo_id) or str(hub / repo_id),
+    )
     loaded = Drafter.from_pretrained("someone/tiny-heads")
     assert fetched == ["someone/tiny-heads"] and loaded.config == heads.config
     for a, b in zip(heads.state_dict().values(), loaded.state_dict().values(), strict=True):
@@ -153,8 +161,18 @@ def test_a_repository_that_cannot_be_fetched_is_a_clear_error(monkeypatch):
 # and SGLang 0.5.23 (python/sglang/srt/models/llama_eagle3.py) load it: unprefixed names, `midlayer.` read as
 # `layers.0.` (the speculators format's own names), `t2d` skipped, `d2t` only for a draft vocabulary smaller than
 # the target's, no `embed_tokens` needed (both take the target's).
-EAGLE3_LAYER = ["input_layernorm", "hidden_norm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
-                "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]  # fmt: skip
+EAGLE3_LAYER = [
+    "input_layernorm",
+    "hidden_norm",
+    "post_attention_layernorm",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+]
 
 
 def eagle3_parameters(config: dict, layer: dict, prefix: str) -> dict[str, tuple[int, ...]]:
@@ -167,11 +185,24 @@ def eagle3_parameters(config: dict, layer: dict, prefix: str) -> dict[str, tuple
         or len(config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids", []))
         or 3
     )
-    shapes = [(hidden,), (hidden,), (hidden,), (heads * d, 2 * hidden), (kv * d, 2 * hidden), (kv * d, 2 * hidden),
-              (hidden, heads * d), (mlp, hidden), (mlp, hidden), (hidden, mlp)]  # fmt: skip
+    shapes = [
+        (hidden,),
+        (hidden,),
+        (hidden,),
+        (heads * d, 2 * hidden),
+        (kv * d, 2 * hidden),
+        (kv * d, 2 * hidden),
+        (hidden, heads * d),
+        (mlp, hidden),
+        (mlp, hidden),
+        (hidden, mlp),
+    ]
     names = {f"{prefix}{name}.weight": shape for name, shape in zip(EAGLE3_LAYER, shapes, strict=True)}
-    names |= {"fc.weight": (hidden, aux * config["target_hidden_size"]), "norm.weight": (hidden,),
-              "lm_head.weight": (draft, hidden)}  # fmt: skip
+    names |= {
+        "fc.weight": (hidden, aux * config["target_hidden_size"]),
+        "norm.weight": (hidden,),
+        "lm_head.weight": (draft, hidden),
+    }
     if draft < layer["vocab_size"]:
         names |= {"d2t": (draft,), "t2d": (layer["vocab_size"],)}
     return names
@@ -217,8 +248,14 @@ def eagle3_step(w: dict, layer: dict, prefix: str, feature, embedding, positions
 def eagle_drafter(model, lm_head: str, draft: bool, feature_layers=(1, 2, 3)):
     """A random feature-level drafter of a 4-layer tiny model, reading the inputs of its layers 1, 2 and 3."""
     torch.manual_seed(1)
-    config = DrafterConfig(num_heads=3, head_type="eagle", lm_head=lm_head, hidden_size=64, vocab_size=512,
-                         feature_layers=list(feature_layers))  # fmt: skip
+    config = DrafterConfig(
+        num_heads=3,
+        head_type="eagle",
+        lm_head=lm_head,
+        hidden_size=64,
+        vocab_size=512,
+        feature_layers=list(feature_layers),
+    )
     drafter = Eagle.new(config, model)
     for parameter in drafter.parameters():
         torch.nn.init.normal_(parameter, std=0.5)
@@ -230,8 +267,9 @@ def eagle_drafter(model, lm_head: str, draft: bool, feature_layers=(1, 2, 3)):
 
 @pytest.mark.parametrize("speculators", [False, True], ids=["eagle3", "speculators"])
 @pytest.mark.parametrize("lm_head, draft", [("shared", True), ("own", False)], ids=["shared-draft", "own-full"])
-def test_an_eagle3_export_is_what_the_engines_load_and_drafts_what_ours_does(tmp_path, speculators, lm_head, draft,
-                                                                           float_drafts):  # fmt: skip
+def test_an_eagle3_export_is_what_the_engines_load_and_drafts_what_ours_does(
+    tmp_path, speculators, lm_head, draft, float_drafts
+):
     model = tiny_model(num_hidden_layers=4)
     drafter = eagle_drafter(model, lm_head, draft)
     out = mtp.tools.export.to_eagle3(drafter, model, tmp_path / "out", speculators=speculators)
@@ -245,8 +283,9 @@ def test_an_eagle3_export_is_what_the_engines_load_and_drafts_what_ours_does(tmp
     if speculators:
         spec = config["speculators_config"]
         assert config["speculators_model_type"] == spec["algorithm"] == "eagle3"
-        assert spec["proposal_methods"] == [{"proposal_type": "greedy", "speculative_tokens": 2,
-                                             "verifier_accept_k": 1, "accept_tolerance": 0.0}]  # fmt: skip
+        assert spec["proposal_methods"] == [
+            {"proposal_type": "greedy", "speculative_tokens": 2, "verifier_accept_k": 1, "accept_tolerance": 0.0}
+        ]
         assert spec["default_proposal_method"] == "greedy" and spec["verifier"]["architectures"] == ["LlamaForCausalLM"]
     else:
         assert config["architectures"] == ["LlamaForCausalLMEagle3"]  # SGLang's EntryClass; vLLM maps it too
@@ -265,8 +304,15 @@ def test_an_eagle3_export_is_what_the_engines_load_and_drafts_what_ours_does(tmp
         fused = F.linear(features[:-1], weights["fc.weight"])
         logits, hidden, past = eagle3_step(weights, layer, prefix, fused, embed(ids[0, 1:]), torch.arange(9.0))
         # their second step at the last entry: its feature is the first step's output at the entry before
-        second, _, _ = eagle3_step(weights, layer, prefix, hidden[-2:-1], embed(ids[0, -1:]), torch.tensor([8.0]),
-                                   (past[0][:, :-1], past[1][:, :-1]))  # fmt: skip
+        second, _, _ = eagle3_step(
+            weights,
+            layer,
+            prefix,
+            hidden[-2:-1],
+            embed(ids[0, -1:]),
+            torch.tensor([8.0]),
+            (past[0][:, :-1], past[1][:, :-1]),
+        )
         steps = drafter.unroll(features[None], ids, embed, 2)  # (2, 1, 9, H)
         ours = drafter.logits(steps[:, 0], model.get_output_embeddings())  # (2, 9, D)
     torch.testing.assert_close(logits, ours[0], rtol=1e-4, atol=1e-4)
@@ -285,8 +331,10 @@ def test_an_eagle3_checkpoint_loads_as_a_drafter_and_decodes_losslessly(tmp_path
     ids = torch.randint(1, 512, (1, 6), generator=torch.Generator().manual_seed(1))
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
     with torch.no_grad():
-        torch.testing.assert_close(loaded.logits(loaded.unroll(features, ids, embed, 3), lm_head),
-                                   drafter.logits(drafter.unroll(features, ids, embed, 3), lm_head))  # fmt: skip
+        torch.testing.assert_close(
+            loaded.logits(loaded.unroll(features, ids, embed, 3), lm_head),
+            drafter.logits(drafter.unroll(features, ids, embed, 3), lm_head),
+        )
     tokenizer = load_tokenizer(TINY_BASE)
     result = Decoder(model, tokenizer, loaded, TREE).generate(PROMPT, max_new_tokens=30)
     assert result.token_ids == reference(model, tokenizer(PROMPT, return_tensors="pt").input_ids, 30)
@@ -306,10 +354,15 @@ def test_what_eagle3_cannot_hold_is_refused_with_the_alternative(tmp_path):
         with pytest.raises(ValueError, match="feature_layers"):
             mtp.tools.export.to_eagle3(eagle_drafter(model, "shared", True, layers), model, tmp_path / "layers")
     assert not any(tmp_path.iterdir())
-    config = json.loads((mtp.tools.export.to_eagle3(eagle_drafter(model, "shared", True), model, tmp_path / "e") /
-                         "config.json").read_text())  # fmt: skip
-    for change, message in [({"eagle_aux_hidden_state_layer_ids": None}, "names no feature layers"),
-                            ({"norm_before_residual": True}, "norm_before_residual")]:  # fmt: skip
+    config = json.loads(
+        (
+            mtp.tools.export.to_eagle3(eagle_drafter(model, "shared", True), model, tmp_path / "e") / "config.json"
+        ).read_text()
+    )
+    for change, message in [
+        ({"eagle_aux_hidden_state_layer_ids": None}, "names no feature layers"),
+        ({"norm_before_residual": True}, "norm_before_residual"),
+    ]:
         (tmp_path / "e" / "config.json").write_text(json.dumps(config | change))
         with pytest.raises(ValueError, match=message):
             Drafter.from_pretrained(tmp_path / "e")
@@ -343,5 +396,7 @@ def test_a_scaled_rotary_embedding_goes_through_export_and_import(tmp_path):
     ids = torch.randint(1, 512, (1, 80), generator=torch.Generator().manual_seed(1))
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
     with torch.no_grad():
-        torch.testing.assert_close(loaded.logits(loaded.unroll(features, ids, embed, 2), lm_head),
-                                   drafter.logits(drafter.unroll(features, ids, embed, 2), lm_head))  # fmt: skip
+        torch.testing.assert_close(
+            loaded.logits(loaded.unroll(features, ids, embed, 2), lm_head),
+            drafter.logits(drafter.unroll(features, ids, embed, 2), lm_head),
+        )

@@ -98,8 +98,9 @@ def test_a_run_killed_mid_way_and_rerun_on_another_number_of_processes_writes_ea
     assert sorted(written_keys(tmp_path)) == sorted({key(ids) for ids in examples})
 
 
-def test_the_loader_reads_each_batchs_states_in_its_worker_and_the_step_reads_none(examples, wanted, tmp_path,
-                                                                                   monkeypatch):  # fmt: skip
+def test_the_loader_reads_each_batchs_states_in_its_worker_and_the_step_reads_none(
+    examples, wanted, tmp_path, monkeypatch
+):
     """The batches carry the states read from disk by the loader's worker process (a read in the training process
     fails here), each row's own and zero past its end, and the step takes them from the batch."""
     write_features(tmp_path, TINY_BASE, wanted, examples, batch_size=4)
@@ -145,13 +146,16 @@ def test_the_base_without_layers_holds_the_whole_bases_embeddings_norm_and_lm_he
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
 def test_training_on_states_from_disk_reaches_online_trainings_weights_without_the_bases_layers(kind, tmp_path):
-    drafter, loss = {"medusa": (Drafting(num_heads=2), Loss(teacher=True)),
-                     "eagle": (Drafting("eagle", 2, draft_vocab=60, feature_layers=LAYERS), Loss())}[kind]  # fmt: skip
+    drafter, loss = {
+        "medusa": (Drafting(num_heads=2), Loss(teacher=True)),
+        "eagle": (Drafting("eagle", 2, draft_vocab=60, feature_layers=LAYERS), Loss()),
+    }[kind]
     results, starts = {}, {}
     for folder in (None, tmp_path / "features", tmp_path / "features"):  # online, offline, offline again
         torch.manual_seed(0)
-        module = DrafterModule(TINY_BASE, drafter, loss, Optim(lr=1e-2, warmup_steps=0),
-                               features=None if folder is None else str(folder))  # fmt: skip
+        module = DrafterModule(
+            TINY_BASE, drafter, loss, Optim(lr=1e-2, warmup_steps=0), features=None if folder is None else str(folder)
+        )
         starts[folder] = {name: w.clone() for name, w in module.drafter.state_dict().items()}
         if folder is None:  # online, its states rounded as the disk rounds them: the same inputs, read another way
             whole = module.backbone

@@ -72,14 +72,16 @@ def test_guesses_from_a_draft_vocabulary_are_its_best_tokens_by_the_full_logits(
 
 @pytest.mark.parametrize("lm_head", ["shared", "own"])
 @pytest.mark.parametrize("narrow", [False, True])
-def test_draft_logits_are_the_same_whichever_product_this_machine_measured_faster(tiny, config, lm_head, narrow,
-                                                                                   monkeypatch):  # fmt: skip
+def test_draft_logits_are_the_same_whichever_product_this_machine_measured_faster(
+    tiny, config, lm_head, narrow, monkeypatch
+):
     """Projecting from float rows (validation; decoding off a CPU) multiplies a step's few rows by the draft
     vocabulary's rows as W x^T where that was measured faster (`mtp.linears.narrow_rows`, here forced either way):
     the same logits as x W^T, for one row, a few rows, and all heads at once over a shared lm_head."""
     chosen = list(range(1, ROWS + 1)) if narrow else []
-    monkeypatch.setattr(heads_module, "narrow_rows", lambda weights: {"x".join(map(str, w.shape)): chosen
-                                                                      for w in weights})  # fmt: skip
+    monkeypatch.setattr(
+        heads_module, "narrow_rows", lambda weights: {"x".join(map(str, w.shape)): chosen for w in weights}
+    )
     calls = []
     monkeypatch.setattr(linears, "narrow_product", lambda x, w: calls.append(len(x)) or narrow_product(x, w))
     model, heads = random_heads(tiny, config, lm_head)
@@ -92,10 +94,13 @@ def test_draft_logits_are_the_same_whichever_product_this_machine_measured_faste
                 torch.testing.assert_close(heads.project(states, lm_head_module), lm_head_module(states)[..., draft])
             for k in range(3):  # one head's states, as a decoding step projects them
                 projection = lm_head_module if lm_head == "shared" else heads.projections[k]
-                torch.testing.assert_close(heads.project(states[k : k + 1], lm_head_module, k)[0],
-                                           projection(states[k])[..., draft])  # fmt: skip
-    assert calls == ([3, 1, 1, 1, 9, 3, 3, 3, 12, 4, 4, 4] if lm_head == "shared" else [1, 1, 1, 3, 3, 3, 4, 4, 4]
-                     ) * narrow  # fmt: skip
+                torch.testing.assert_close(
+                    heads.project(states[k : k + 1], lm_head_module, k)[0], projection(states[k])[..., draft]
+                )
+    assert (
+        calls
+        == ([3, 1, 1, 1, 9, 3, 3, 3, 12, 4, 4, 4] if lm_head == "shared" else [1, 1, 1, 3, 3, 3, 4, 4, 4]) * narrow
+    )
 
 
 @pytest.mark.parametrize("lm_head", ["shared", "own"])
@@ -170,12 +175,16 @@ def test_hydra_heads_fill_each_node_with_the_guess_for_its_own_path(tiny, config
             following = embed(tokens[ancestors])  # (d, H)
             logits = head_logits(heads, len(path) - 1, hidden, lm_head_module, following)  # (V,)
             if draft:  # only draft tokens can be guessed
-                logits = logits.masked_fill(~torch.isin(torch.arange(config.vocab_size), root.new_tensor(
-                    heads.config.draft_vocab)), float("-inf"))  # fmt: skip
+                logits = logits.masked_fill(
+                    ~torch.isin(torch.arange(config.vocab_size), root.new_tensor(heads.config.draft_vocab)),
+                    float("-inf"),
+                )
             assert tokens[node] == logits.topk(3).indices[path[-1]], path
         # the path matters: the children of (0,) and (1,) are guesses of the same head after different tokens
-        after = [head_logits(heads, 1, hidden, lm_head_module, embed(torch.stack([root[0], tokens[node]])))
-                 for node in (1, 2)]  # fmt: skip
+        after = [
+            head_logits(heads, 1, hidden, lm_head_module, embed(torch.stack([root[0], tokens[node]])))
+            for node in (1, 2)
+        ]
         assert tokens[1] != tokens[2] and not torch.allclose(*after)
 
 
@@ -185,8 +194,10 @@ def test_hydra_heads_round_trip_and_refuse_to_run_without_the_path(tiny, config,
     loaded = Drafter.from_pretrained(tmp_path)
     hidden, following = torch.randn(4, config.hidden_size), torch.randn(4, 3, config.hidden_size)
     assert isinstance(loaded, HydraHeads)
-    assert torch.equal(loaded(hidden, model.get_output_embeddings(), following=following),
-                       heads(hidden, model.get_output_embeddings(), following=following))  # fmt: skip
+    assert torch.equal(
+        loaded(hidden, model.get_output_embeddings(), following=following),
+        heads(hidden, model.get_output_embeddings(), following=following),
+    )
     with pytest.raises(ValueError, match="Hydra head 2 reads the embeddings of the 3 tokens"):
         heads(hidden, model.get_output_embeddings(), following=following[:, :2])
 

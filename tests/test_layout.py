@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
 
 
@@ -72,8 +74,12 @@ def test_each_layer_imports_only_the_layers_below_it_and_only_the_drafter_contra
         if module.startswith(banned)
     }
     assert crossing == set()
-    outside = {(name, module) for name, (top, _) in found.items() for module in top & kinds
-               if not name.startswith("mtp.drafters")}  # fmt: skip
+    outside = {
+        (name, module)
+        for name, (top, _) in found.items()
+        for module in top & kinds
+        if not name.startswith("mtp.drafters")
+    }
     assert outside == set()
     for path in (ROOT / "mtp" / "decoding").glob("*.py"):  # the verifier runs without Lightning installed
         tree = ast.parse(path.read_text())
@@ -82,10 +88,13 @@ def test_each_layer_imports_only_the_layers_below_it_and_only_the_drafter_contra
         assert not {name for name in names if name.split(".")[0] in ("lightning", "torchmetrics")}, path.name
 
 
+@pytest.mark.slow
 def test_importing_a_part_builds_only_what_it_imports_and_the_contract_alone_knows_every_kind():
     """The package root imports nothing until a name of it is used; any module of the drafters fills the registry."""
-    code = ("import sys, mtp.training.loss; print(sorted(m for m in sys.modules if m.startswith('mtp.')))\n"
-            "from mtp.drafters.contract import Drafter; print(sorted(Drafter.kinds))")  # fmt: skip
+    code = (
+        "import sys, mtp.training.loss; print(sorted(m for m in sys.modules if m.startswith('mtp.')))\n"
+        "from mtp.drafters.contract import Drafter; print(sorted(Drafter.kinds))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     loaded, kinds = out.stdout.splitlines()
     assert loaded == str(["mtp.training", "mtp.training.loss"]) and kinds == str(["eagle", "hydra", "medusa"])
@@ -106,6 +115,8 @@ def test_only_mtp_internals_touches_private_names_of_torch_and_transformers():
     reach into it, with the versions it was written for; no other module of mtp names a private module, function or
     attribute of theirs."""
     private = re.compile(r"\b(torch|transformers)(\.\w+)*\._[a-zA-Z]|\._(version|attn_implementation)\b")
-    found = {path.relative_to(ROOT).as_posix(): [line for line in path.read_text().splitlines() if private.search(line)]
-             for path in sorted((ROOT / "mtp").rglob("*.py"))}  # fmt: skip
+    found = {
+        path.relative_to(ROOT).as_posix(): [line for line in path.read_text().splitlines() if private.search(line)]
+        for path in sorted((ROOT / "mtp").rglob("*.py"))
+    }
     assert found.pop("mtp/internals.py") and {path: lines for path, lines in found.items() if lines} == {}

@@ -21,8 +21,16 @@ LORA = Lora(r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"], head
 
 
 def fit(module, root, steps, ckpt_path=None, **kwargs) -> L.Trainer:
-    trainer = L.Trainer(max_steps=steps, default_root_dir=root, accelerator="cpu", enable_progress_bar=False,
-                        enable_model_summary=False, logger=False, limit_val_batches=1, **kwargs)  # fmt: skip
+    trainer = L.Trainer(
+        max_steps=steps,
+        default_root_dir=root,
+        accelerator="cpu",
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        limit_val_batches=1,
+        **kwargs,
+    )
     trainer.fit(module, DrafterDataModule(TINY_CHAT, TINY_BASE, batch_size=4, val_fraction=0.125), ckpt_path=ckpt_path)
     return trainer
 

@@ -21,6 +21,7 @@ def measured(*options: str) -> tuple[float, float]:
     return float(total[1]) * (1000 if total[2] == "GB" else 1), float(peak[1].replace(",", ""))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["hydra", "eagle"])
 def test_the_measured_peak_is_the_estimate_to_a_third_more_for_the_135m_model(kind):
     """Hydra heads with the base in every step, the eagle drafter reading 3 layers: measured 1.20-1.21x the
@@ -33,8 +34,10 @@ def test_the_measured_peak_is_the_estimate_to_a_third_more_for_the_135m_model(ki
     assert estimate <= peak <= 4 / 3 * estimate, (estimate, peak)
 
 
+@pytest.mark.slow
 def test_the_estimate_for_the_tiny_model_is_within_the_processes_fixed_costs():
     """A few MB of weights and activations: what Lightning and the allocator hold (some 30 MB here) dominates."""
-    estimate, peak = measured("--base_model", TINY_BASE, "--data", TINY_CHAT, "--draft_vocab", "60",
-                              "--batch_size", "2", "--max_length", "64")  # fmt: skip
+    estimate, peak = measured(
+        "--base_model", TINY_BASE, "--data", TINY_CHAT, "--draft_vocab", "60", "--batch_size", "2", "--max_length", "64"
+    )
     assert 0 < estimate < peak < estimate + 100, (estimate, peak)

@@ -325,8 +325,13 @@ def test_the_draft_vocabulary_is_the_most_frequent_training_targets_and_is_saved
         DrafterModule(TINY_BASE, drafter=Drafting(draft_vocab=-1))
 
 
-@pytest.mark.parametrize("drafter, objective", [(Drafting(head_type="hydra", lm_head="own"), {"teacher": True}),
-                                          (Drafting(head_type="eagle"), {"feature_loss": 0.5})])  # fmt: skip
+@pytest.mark.parametrize(
+    "drafter, objective",
+    [
+        (Drafting(head_type="hydra", lm_head="own"), {"teacher": True}),
+        (Drafting(head_type="eagle"), {"feature_loss": 0.5}),
+    ],
+)
 def test_the_loss_over_chunks_of_positions_and_its_gradients_equal_the_loss_over_all_at_once(drafter, objective):
     """`loss.chunk` bounds the loss's memory (a chunk's logits are recomputed in the backward pass): the loss, its
     gradients and the accuracies must not change, over the draft vocabulary too."""

@@ -1,21 +1,29 @@
 import json
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 from mtp.drafters.heads import MedusaHeads
 from tests.conftest import DATA, ROOT, save_random_heads
 
 
+@pytest.mark.slow
 def test_the_evaluation_notebook_runs_end_to_end_on_a_tiny_model(tmp_path, monkeypatch):
     path, _, _ = save_random_heads(tmp_path, "shared")
     heads = MedusaHeads.from_pretrained(path)
     heads.config.calibration = [[0.5, 0.2, 0.1] + [0.01] * 7] * heads.config.num_heads
     heads.save_config(path)
     bench = tmp_path / "bench.json"
-    settings = {"MTP_HEADS": path, "MTP_QUESTIONS": str(DATA / "mt_bench.jsonl"), "MTP_BENCH": str(bench),
-                "MTP_LIMIT": "2", "MTP_MAX_NEW_TOKENS": "8", "MTP_SIZES": "1,2,4",
-                "MTP_CACHE": str(tmp_path / "cache")}  # fmt: skip
+    settings = {
+        "MTP_HEADS": path,
+        "MTP_QUESTIONS": str(DATA / "mt_bench.jsonl"),
+        "MTP_BENCH": str(bench),
+        "MTP_LIMIT": "2",
+        "MTP_MAX_NEW_TOKENS": "8",
+        "MTP_SIZES": "1,2,4",
+        "MTP_CACHE": str(tmp_path / "cache"),
+    }
     for name, value in settings.items():
         monkeypatch.setenv(name, value)
     notebook = nbformat.read(ROOT / "notebooks" / "evaluate.ipynb", as_version=4)

@@ -20,8 +20,12 @@ from tests.conftest import PROMPT, TINY_BASE, OracleHeads, random_heads, referen
 CALIBRATION = [[0.6, 0.2, 0.1], [0.5, 0.3, 0.1], [0.4, 0.2, 0.1]]
 PATHS = grow_tree(CALIBRATION, 64)[0]
 # the root alone, and trees of 2, 4 and 8 nodes that accept more as they grow
-CANDIDATES = [Candidate(1), Candidate(2, (), 0.6, depth=1), Candidate(4, (), 1.0, depth=2),
-              Candidate(8, (), 1.3, depth=3)]  # fmt: skip
+CANDIDATES = [
+    Candidate(1),
+    Candidate(2, (), 0.6, depth=1),
+    Candidate(4, (), 1.0, depth=2),
+    Candidate(8, (), 1.3, depth=3),
+]
 CHEAP = [0.1] * 6  # sizes 1, 2, 3, 4, 6, 8 cost one plain step: the biggest tree pays most
 DEAR = [0.1, 0.2, 0.3, 0.4, 0.6, 0.8]  # every node costs a plain step: no tree pays
 COMPILED = types.SimpleNamespace(buckets=(1, 4, 8), length=64)  # what pacing reads of a compiled pass
@@ -64,8 +68,7 @@ def test_cheap_rows_take_the_biggest_tree_and_dear_rows_plain_steps(tmp_path, mo
     assert machine_pacer(model, tokenizer, heads, CANDIDATES, PATHS).best(1).tree.size == 2
 
 
-def test_on_the_compiled_pass_lookup_expects_only_the_tokens_that_fit_beside_the_tree(tmp_path, monkeypatch,
-                                                                                     tokenizer):  # fmt: skip
+def test_on_the_compiled_pass_lookup_expects_only_the_tokens_that_fit_beside_the_tree(tmp_path, monkeypatch, tokenizer):
     """The largest compiled pass (8 nodes) verifies no lookup token beside an 8-node tree and at most 4 beside a
     4-node one: pacing expects and proposes no more (`within`), so the 4-node tree with lookup wins; eagerly
     (no compiled pass) the 8-node tree with lookup verifies everything and wins."""
@@ -83,8 +86,9 @@ def test_on_the_compiled_pass_lookup_expects_only_the_tokens_that_fit_beside_the
     assert eight.lookup is None and eight.candidate.from_lookup == 0.0
 
 
-def test_lookup_cut_to_the_room_beside_the_tree_expects_the_share_of_its_new_nodes_that_fit(tmp_path, monkeypatch,
-                                                                                           tokenizer):  # fmt: skip
+def test_lookup_cut_to_the_room_beside_the_tree_expects_the_share_of_its_new_nodes_that_fit(
+    tmp_path, monkeypatch, tokenizer
+):
     """Half the steps propose 10 new lookup nodes, half none: beside a 4-node tree the largest compiled pass keeps 4
     of them, beside a 6-node tree 2, so lookup expects 0.4 and 0.2 of its saved acceptance. Kept whole, the 6-node
     tree's lookup (1.30 expected) made that tree the fastest at these costs; cut, the 4-node tree is."""
@@ -92,17 +96,20 @@ def test_lookup_cut_to_the_room_beside_the_tree_expects_the_share_of_its_new_nod
     model = tiny_model()
     heads = random_heads(model, num_heads=3)
     fake_timings(monkeypatch, {1: CHEAP})
-    candidates = [Candidate(1), Candidate(4, (10,) * 3, 0.7, 1.28, TEN_OR_NONE, depth=2),
-                  Candidate(6, (10,) * 3, 0.87, 1.30, TEN_OR_NONE, depth=3)]  # fmt: skip
+    candidates = [
+        Candidate(1),
+        Candidate(4, (10,) * 3, 0.7, 1.28, TEN_OR_NONE, depth=2),
+        Candidate(6, (10,) * 3, 0.87, 1.30, TEN_OR_NONE, depth=3),
+    ]
     pacer = machine_pacer(model, tokenizer, heads, candidates, PATHS, COMPILED)
-    cut = {plan.tree.size: (plan.lookup.lengths, plan.candidate.from_lookup)
-           for plan, _ in pacer.options(1) if plan.lookup}  # fmt: skip
+    cut = {
+        plan.tree.size: (plan.lookup.lengths, plan.candidate.from_lookup) for plan, _ in pacer.options(1) if plan.lookup
+    }
     assert cut == {4: ((4, 4, 4), pytest.approx(0.4 * 1.28)), 6: ((2, 2, 2), pytest.approx(0.2 * 1.30))}
     assert pacer.best(1).tree.size == 4
 
 
-def test_a_cut_lookup_that_sizing_simulated_comes_before_the_estimate_of_a_longer_one(tmp_path, monkeypatch,
-                                                                                      tokenizer):  # fmt: skip
+def test_a_cut_lookup_that_sizing_simulated_comes_before_the_estimate_of_a_longer_one(tmp_path, monkeypatch, tokenizer):
     """Sizing saves lookups also cut to the room beside their tree (`mtp.tools.sizing`): on the compiled pass the
     4-node tree's 10 / 10 / 10, cut to 4 / 4 / 4, gives way to the simulated 4 / 4 / 4 (0.85 accepted a step against
     0.51 estimated), and then wins over the 6-node tree; a cut with no simulated twin keeps its estimate, and one
@@ -111,10 +118,14 @@ def test_a_cut_lookup_that_sizing_simulated_comes_before_the_estimate_of_a_longe
     model = tiny_model()
     heads = random_heads(model, num_heads=3)
     fake_timings(monkeypatch, {1: CHEAP})
-    candidates = [Candidate(1), Candidate(4, (10,) * 3, 0.7, 1.28, TEN_OR_NONE, depth=2),
-                  Candidate(4, (4,) * 3, 0.7, 0.85, (0.5,) + (0.0,) * 3 + (0.5,), depth=2),
-                  Candidate(6, (10,) * 3, 0.87, 1.30, TEN_OR_NONE, depth=3), Candidate(8, (), 0.95, depth=3),
-                  Candidate(8, (10,) * 3, 0.95, 1.30, TEN_OR_NONE, depth=3)]  # fmt: skip
+    candidates = [
+        Candidate(1),
+        Candidate(4, (10,) * 3, 0.7, 1.28, TEN_OR_NONE, depth=2),
+        Candidate(4, (4,) * 3, 0.7, 0.85, (0.5,) + (0.0,) * 3 + (0.5,), depth=2),
+        Candidate(6, (10,) * 3, 0.87, 1.30, TEN_OR_NONE, depth=3),
+        Candidate(8, (), 0.95, depth=3),
+        Candidate(8, (10,) * 3, 0.95, 1.30, TEN_OR_NONE, depth=3),
+    ]
     pacer = machine_pacer(model, tokenizer, heads, candidates, PATHS, COMPILED)
     options = [(plan.tree.size, plan.candidate.lookup, plan.candidate.from_lookup) for plan, _ in pacer.options(1)]
     assert options == [(1, (), 0.0), (4, (4, 4, 4), 0.85), (6, (2, 2, 2), pytest.approx(0.2 * 1.30)), (8, (), 0.0)]
@@ -187,8 +198,14 @@ class Recorded(Pacer):
 
 
 def paced(candidates: list[Candidate], seconds: list[float]) -> Recorded:
-    pacer = Recorded({1: [(Plan(Tree.from_paths(PATHS[: c.size - 1]), None, c), s)
-                          for c, s in zip(candidates, seconds, strict=True)]})  # fmt: skip
+    pacer = Recorded(
+        {
+            1: [
+                (Plan(Tree.from_paths(PATHS[: c.size - 1]), None, c), s)
+                for c, s in zip(candidates, seconds, strict=True)
+            ]
+        }
+    )
     pacer.chosen = []
     return pacer
 

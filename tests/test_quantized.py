@@ -74,6 +74,7 @@ def test_a_gguf_files_blocks_unpack_bit_for_bit_as_gguf_unpacks_them(kind):
     torch.testing.assert_close(blocks(x), x @ torch.from_numpy(quants.dequantize(raw, kind)).T, rtol=0, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_the_packaged_default_keeps_its_files_own_blocks():
     """Every linear layer of SmolLM2 as the Q4_1 file holds it (the lm_head as its Q8_0 embedding, tied): the blocks
     unpack to exactly the float model's weights, which are the file's unpacked."""
@@ -115,6 +116,7 @@ def test_each_row_of_a_batch_over_quantized_weights_is_its_prompt_decoded_alone(
         assert result.token_ids == reference(model, tokenizer(prompt, return_tensors="pt").input_ids, 30)
 
 
+@pytest.mark.slow
 def test_the_shipped_heads_over_the_files_own_blocks_decode_as_their_plain_greedy():
     decoder = mtp.load(str(ROOT / "heads" / "smollm2-135m-instruct"), weights="gguf", tree="8")
     messages = [{"role": "user", "content": "Name three primary colours."}]

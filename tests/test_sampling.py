@@ -51,8 +51,15 @@ SETTINGS = [Sampling(temperature=1.0, seed=0), Sampling(temperature=0.7, top_k=6
         (Sampling(temperature=1.0, seed=6 * 10**6), None, "hydra", None, DynamicTree(5, 3, 2), None, {}),
         (Sampling(temperature=1.0, seed=7 * 10**6), None, "medusa", None, TREE, "granite", {"logits_scaling": 2.0}),
         (Sampling(temperature=1.0, seed=8 * 10**6), None, "medusa", None, TREE, "cohere", COHERE),
-        (Sampling(temperature=0.7, top_k=6, top_p=0.9, seed=9 * 10**6), None, "hydra", None, TREE, None,
-         {"weights": "int4"}),
+        (
+            Sampling(temperature=0.7, top_k=6, top_p=0.9, seed=9 * 10**6),
+            None,
+            "hydra",
+            None,
+            TREE,
+            None,
+            {"weights": "int4"},
+        ),
     ],
     # window 2: the last 3 tokens see their last 2; lookup: its candidates beside the heads', in the same tree;
     # dynamic: each step's tree chosen from the drafter's probabilities; granite (divides its logits by
@@ -70,10 +77,13 @@ SETTINGS = [Sampling(temperature=1.0, seed=0), Sampling(temperature=0.7, top_k=6
         "t0.7-k6-p0.9-hydra-int4",
     ],
 )
-def test_exact_acceptance_samples_the_base_models_joint_distribution(sampling, sliding_window, head_type, lookup,
-                                                                     tree, model_type, family):  # fmt: skip
-    decoder = small_vocab_decoder(sliding_window=sliding_window, head_type=head_type, lookup=lookup, tree=tree,
-                                  model_type=model_type, **family)  # fmt: skip
+@pytest.mark.slow
+def test_exact_acceptance_samples_the_base_models_joint_distribution(
+    sampling, sliding_window, head_type, lookup, tree, model_type, family
+):
+    decoder = small_vocab_decoder(
+        sliding_window=sliding_window, head_type=head_type, lookup=lookup, tree=tree, model_type=model_type, **family
+    )
     joint = exact_joint(decoder.base_model, sampling)
     found, settled = sample(decoder, sampling, 20_000, rows=1 if sampling is SETTINGS[0] else 50)  # t1: a lone
     # prompt's path; the others 50 rows to a batch (a third of the time, the same statistic over as many samples)
@@ -153,17 +163,25 @@ def accept_exact_wrong_at_depth_3(tokens, children, logits, sampling, generator)
             return nodes, mtp.decoding.acceptance.draw(p, generator)
 
 
-DEEP = [(head_type, tree, lookup, None) for head_type in ("medusa", "hydra", "eagle")
-        for tree in (TREE, DynamicTree(6, 3, 2)) for lookup in (None, Lookup((3, 3)))]  # fmt: skip
+DEEP = [
+    (head_type, tree, lookup, None)
+    for head_type in ("medusa", "hydra", "eagle")
+    for tree in (TREE, DynamicTree(6, 3, 2))
+    for lookup in (None, Lookup((3, 3)))
+]
 DEEP.append(("hydra", DynamicTree(6, 3, 2), Lookup((3, 3)), 2))  # a sliding window of 2 tokens, as a Mistral's
 
 
 @pytest.mark.parametrize(
     "head_type, tree, lookup, window",
     DEEP,
-    ids=[f"{h}-{'dynamic' if isinstance(t, DynamicTree) else 'static'}{'-lookup' if lookup else ''}"
-         f"{f'-window{w}' if w else ''}" for h, t, lookup, w in DEEP],
-)  # fmt: skip
+    ids=[
+        f"{h}-{'dynamic' if isinstance(t, DynamicTree) else 'static'}{'-lookup' if lookup else ''}"
+        f"{f'-window{w}' if w else ''}"
+        for h, t, lookup, w in DEEP
+    ],
+)
+@pytest.mark.slow
 def test_every_step_samples_the_base_models_distribution_and_a_rule_wrong_at_depth_3_is_caught(
     head_type, tree, lookup, window, monkeypatch
 ):
@@ -224,8 +242,12 @@ def test_temperature_zero_is_greedy_and_a_seed_makes_a_run_reproducible():
     prompt = torch.tensor([[1, 5, 9, 4]])
     greedy = reference(model, prompt, 24)
     runs = {}
-    for sampling in [Sampling(temperature=0, top_k=5, seed=3), Sampling(temperature=0.9, seed=1),
-                     Sampling(temperature=0.9, seed=1), Sampling(temperature=0.9, seed=2)]:  # fmt: skip
+    for sampling in [
+        Sampling(temperature=0, top_k=5, seed=3),
+        Sampling(temperature=0.9, seed=1),
+        Sampling(temperature=0.9, seed=1),
+        Sampling(temperature=0.9, seed=2),
+    ]:
         tokens = []
         for block, _ in passes(decoder, prompt, sampling):
             tokens += block
@@ -245,8 +267,15 @@ def test_typical_acceptance_takes_likely_guesses_and_rejects_unlikely_ones():
         Sampling(temperature=1.0, acceptance="fast")
 
 
-@pytest.mark.parametrize("options, message", [(dict(temperature=-1), "temperature"), (dict(top_k=-2), "top_k"),
-                                              (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p")])  # fmt: skip
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(temperature=-1), "temperature"),
+        (dict(top_k=-2), "top_k"),
+        (dict(top_p=0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+    ],
+)
 def test_bad_sampling_settings_are_clear_errors(options, message):
     with pytest.raises(ValueError, match=message):
         Sampling(**options)

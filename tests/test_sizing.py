@@ -138,8 +138,13 @@ def test_sizing_with_held_out_answers_simulates_each_size_and_saves_the_best_tre
     # an answer of 9 tokens that copies earlier text: at each root, a 2-token match whose chain is right to the
     # end; the heads never right
     left = torch.arange(8, 0, -1)
-    copy = {"left": left, "order": torch.full((8, 2), 6), "match": torch.full((8,), 2),
-            "chain": torch.full((8,), 10), "right": left}  # fmt: skip
+    copy = {
+        "left": left,
+        "order": torch.full((8, 2), 6),
+        "match": torch.full((8,), 2),
+        "chain": torch.full((8,), 10),
+        "right": left,
+    }
     monkeypatch.setattr(mtp.tools.sizing, "held_out_roots", lambda *args: copy)
     dynamic = [{"plan": "dynamic:4:2:2", "speedup": 1.5, "static_speedup": 1.6, "lengths": [1]}]  # static wins
     monkeypatch.setattr(mtp.tools.sizing, "dynamic_trees", lambda *args: dynamic)
@@ -186,8 +191,13 @@ def test_on_a_compiled_pass_sizing_simulates_lookup_as_that_pass_verifies_it(tmp
     compiled = types.SimpleNamespace(buckets=(1, 4, 8), length=64)  # what sizing reads of a compiled pass
     monkeypatch.setattr(mtp.tools.sizing, "compile_pass", lambda *args, **kwargs: compiled)
     left = torch.arange(8, 0, -1)  # as above: a 2-token match at every root, right to the answer's end
-    copy = {"left": left, "order": torch.full((8, 2), 6), "match": torch.full((8,), 2),
-            "chain": torch.full((8,), 10), "right": left}  # fmt: skip
+    copy = {
+        "left": left,
+        "order": torch.full((8, 2), 6),
+        "match": torch.full((8,), 2),
+        "chain": torch.full((8,), 10),
+        "right": left,
+    }
     monkeypatch.setattr(mtp.tools.sizing, "held_out_roots", lambda *args: copy)
     monkeypatch.setattr(mtp.tools.sizing, "dynamic_trees", lambda *args: [])
     path, _, _ = save_random_heads(tmp_path)

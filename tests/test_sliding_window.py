@@ -55,8 +55,7 @@ def test_the_windowed_tree_mask_equals_causal_attention_along_every_path(model_t
         slots = torch.arange(prefix_len)[None]  # (1, P) the prompt's positions
         positions = (prefix_len + TREE.depths)[None]  # (1, N+1)
         mask = tree_attention_mask(TREE.mask[None], positions, slots, attention_windows(model.config), torch.float32)
-        tree_logits = model(tokens[None], cache=cache, attention_mask=mask,
-                            position_ids=positions).logits[0]  # fmt: skip
+        tree_logits = model(tokens[None], cache=cache, attention_mask=mask, position_ids=positions).logits[0]
         for path in TREE.retrieve:
             nodes = path[path >= 0]
             causal = model(torch.cat([PROMPT[0], tokens[nodes]])[None]).logits[0, prefix_len:]  # (len, V)

@@ -103,16 +103,23 @@ def test_generation_fills_the_context_window_exactly_and_no_further(tokenizer):
     decoder = Decoder(model, tokenizer, oracle, TREE)
     positions = []
     hook = model.get_decoder().register_forward_pre_hook(
-        lambda module, args, kwargs: positions.append(int(kwargs["position_ids"].max())) if "position_ids" in kwargs
-        and kwargs["position_ids"] is not None else None, with_kwargs=True)  # fmt: skip
+        lambda module, args, kwargs: (
+            positions.append(int(kwargs["position_ids"].max()))
+            if "position_ids" in kwargs and kwargs["position_ids"] is not None
+            else None
+        ),
+        with_kwargs=True,
+    )
     try:
         result = decoder.generate(PROMPT, max_new_tokens=room)
     finally:
         hook.remove()
     assert result.token_ids == expected and result.finish_reason == "length"
     assert max(positions) == 39 and result.acceptance.lengths[-1] == 1  # the last pass: the root alone, at 39
-    with pytest.raises(ValueError, match=f"{41 + 1} in all, past the model's context window of 41 tokens: lower "
-                                         f"max_new_tokens to at most {room}"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=f"{41 + 1} in all, past the model's context window of 41 tokens: lower max_new_tokens to at most {room}",
+    ):
         decoder.generate(PROMPT, max_new_tokens=room + 1)
 
 
@@ -141,12 +148,24 @@ def test_heads_for_another_base_are_refused_at_load(tmp_path):
         mtp.load(path, base_model=TINY_BASE)
 
 
+@pytest.mark.slow
 def test_decode_py_answers_prompts_as_json_lines(tmp_path):
     path, _, _ = save_random_heads(tmp_path)
     prompts = tmp_path / "questions.jsonl"
     prompts.write_text(json.dumps({"question_id": 1, "category": "x", "turns": ["Count to 5.", "And to 6?"]}) + "\n")
-    command = [sys.executable, str(ROOT / "decode.py"), "--drafter", path, "--prompts-file", str(prompts), "--json",
-               "--max-new-tokens", "12", "--tree", "chain"]  # fmt: skip
+    command = [
+        sys.executable,
+        str(ROOT / "decode.py"),
+        "--drafter",
+        path,
+        "--prompts-file",
+        str(prompts),
+        "--json",
+        "--max-new-tokens",
+        "12",
+        "--tree",
+        "chain",
+    ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     answers = [json.loads(line) for line in done.stdout.splitlines()]
@@ -160,23 +179,36 @@ def test_decode_py_answers_prompts_as_json_lines(tmp_path):
     assert "tau" in done.stderr and "tokens/s" in done.stderr
 
 
+@pytest.mark.slow
 def test_decode_py_answers_a_file_in_batches_as_one_by_one(tmp_path):
     path, _, _ = save_random_heads(tmp_path)
     prompts = tmp_path / "questions.jsonl"
     rows = [{"turns": ["Count to 5.", "And to 6?"]}, {"prompt": "Hi"}, {"turns": ["Name three colours, then stop."]}]
     prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    command = [sys.executable, str(ROOT / "decode.py"), "--drafter", path, "--prompts-file", str(prompts), "--json",
-               "--max-new-tokens", "12"]  # fmt: skip
-    runs = [subprocess.run(command + ["--batch-size", size], cwd=ROOT, capture_output=True, text=True, timeout=300)
-            for size in ("1", "2")]  # fmt: skip
+    command = [
+        sys.executable,
+        str(ROOT / "decode.py"),
+        "--drafter",
+        path,
+        "--prompts-file",
+        str(prompts),
+        "--json",
+        "--max-new-tokens",
+        "12",
+    ]
+    runs = [
+        subprocess.run(command + ["--batch-size", size], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        for size in ("1", "2")
+    ]
     assert all(done.returncode == 0 for done in runs), runs[1].stderr[-2000:]
     one_by_one, batched = ([json.loads(line) for line in done.stdout.splitlines()] for done in runs)
     assert [a["prompt"] for a in batched] == ["Count to 5.", "Hi", "Name three colours, then stop.", "And to 6?"]
     assert [(a["conversation"], a["turn"]) for a in batched] == [(0, 0), (1, 0), (2, 0), (0, 1)]  # file rows, turns
     by_prompt = {a["prompt"]: (a["text"], a["tokens"], a["finish_reason"]) for a in one_by_one}
     assert {a["prompt"]: (a["text"], a["tokens"], a["finish_reason"]) for a in batched} == by_prompt
-    streamed = subprocess.run(command + ["--batch-size", "2", "--stream"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=300)  # fmt: skip
+    streamed = subprocess.run(
+        command + ["--batch-size", "2", "--stream"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert streamed.returncode != 0 and "--batch-size 2: give B >= 1; B > 1 answers" in streamed.stderr
 
 
@@ -191,6 +223,7 @@ def test_an_attention_that_takes_no_4d_mask_is_refused_at_load(setup, tokenizer)
         model.config._attn_implementation = implementation
 
 
+@pytest.mark.slow
 def test_decode_py_chats_interactively_without_heads_until_input_ends():
     command = [sys.executable, str(ROOT / "decode.py"), "--base-model", TINY_BASE, "--max-new-tokens", "6"]
     done = subprocess.run(command, cwd=ROOT, input="Hello\nAnd again\n", capture_output=True, text=True, timeout=300)
@@ -199,12 +232,28 @@ def test_decode_py_chats_interactively_without_heads_until_input_ends():
     assert "(12 tokens, 10 verification passes)" in done.stderr  # plain decoding: one token per pass
 
 
+@pytest.mark.slow
 def test_decode_py_samples_reproducibly_with_a_seed_and_refuses_bad_settings(tmp_path):
     path, _, _ = save_random_heads(tmp_path)
-    command = [sys.executable, str(ROOT / "decode.py"), "--drafter", path, "--prompt", "Count to 5.", "--json",
-               "--max-new-tokens", "16", "--temperature", "1.0", "--top-k", "50"]  # fmt: skip
-    runs = [subprocess.run(command + ["--seed", seed], cwd=ROOT, capture_output=True, text=True, timeout=300)
-            for seed in ("1", "1", "2")]  # fmt: skip
+    command = [
+        sys.executable,
+        str(ROOT / "decode.py"),
+        "--drafter",
+        path,
+        "--prompt",
+        "Count to 5.",
+        "--json",
+        "--max-new-tokens",
+        "16",
+        "--temperature",
+        "1.0",
+        "--top-k",
+        "50",
+    ]
+    runs = [
+        subprocess.run(command + ["--seed", seed], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        for seed in ("1", "1", "2")
+    ]
     assert all(done.returncode == 0 for done in runs), runs[0].stderr[-2000:]
     texts = [json.loads(done.stdout)["text"] for done in runs]
     assert texts[0] == texts[1] and texts[0] != texts[2]

@@ -61,8 +61,11 @@ def test_named_trees_are_valid_and_sized_as_documented():
     from mtp.decoding.tree import NAMED_TREES, named_tree
 
     assert {name: named_tree(name, num_heads=4).size for name in NAMED_TREES} == {
-        "chain": 5, "small": 9, "medium": 17, "large": 33
-    }  # fmt: skip
+        "chain": 5,
+        "small": 9,
+        "medium": 17,
+        "large": 33,
+    }
     assert named_tree("large", num_heads=1).paths == ((0,), (1,), (2,), (3,), (4,))  # deeper nodes dropped
     with pytest.raises(ValueError, match="Unknown tree 'huge'"):
         named_tree("huge", num_heads=4)

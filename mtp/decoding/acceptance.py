@@ -51,8 +51,10 @@ class Acceptance:
             self.by_source[name] = self.by_source.get(name, 0) + count
 
     def __add__(self, other: "Acceptance") -> "Acceptance":
-        sources = {name: self.by_source.get(name, 0) + other.by_source.get(name, 0)
-                   for name in {**self.by_source, **other.by_source}}  # fmt: skip
+        sources = {
+            name: self.by_source.get(name, 0) + other.by_source.get(name, 0)
+            for name in {**self.by_source, **other.by_source}
+        }
         return Acceptance(self.lengths + other.lengths, sources)
 
     @property

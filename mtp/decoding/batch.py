@@ -54,8 +54,14 @@ class Batch:
     the other rows). With `compiled`, a lone row's passes run compiled over its static cache
     (`mtp.decoding.compiled`); when a second row joins, the cache becomes a dynamic one and passes run eagerly."""
 
-    def __init__(self, target: Target, proposers: list[Proposer], pacer: Pacer, sampling: Sampling,
-                 compiled: CompiledPass | None = None):  # fmt: skip
+    def __init__(
+        self,
+        target: Target,
+        proposers: list[Proposer],
+        pacer: Pacer,
+        sampling: Sampling,
+        compiled: CompiledPass | None = None,
+    ):
         self.target, self.proposers, self.pacer, self.compiled = target, proposers, pacer, compiled
         self.sampling, self.added = sampling, 0  # rows added so far: the next one's default number
         self.device = target.device
@@ -175,8 +181,13 @@ class Batch:
                 return self.compiled.run(batch, positions, mask, self.slots, self.every_layer)
             attention = tree_attention_mask(mask, positions, self.slots, self.target.windows, self.target.dtype)
             with grouped_keys(self.device.type == "cpu" and size > 1):
-                states = self.target.run(self.every_layer, input_ids=batch, position_ids=positions,
-                                         attention_mask=attention, cache=self.cache)  # fmt: skip
+                states = self.target.run(
+                    self.every_layer,
+                    input_ids=batch,
+                    position_ids=positions,
+                    attention_mask=attention,
+                    cache=self.cache,
+                )
             return replace(states, logits=self.target.logits(states.last))
 
     def accept(self, trees: list[Tree], tokens: list[torch.Tensor], states: States):
@@ -189,12 +200,21 @@ class Batch:
             for b, (tree, row_tokens, row) in enumerate(zip(trees, tokens, self.rows, strict=True))
         ]
         nodes = [torch.as_tensor(row_nodes, device=self.device) for row_nodes, _ in accepted]  # (A_b+1,) each
-        settled = [row_tokens[row_nodes[1:]].tolist() + [bonus] for row_tokens, row_nodes, (_, bonus)
-                   in zip(tokens, nodes, accepted, strict=True)]  # fmt: skip
+        settled = [
+            row_tokens[row_nodes[1:]].tolist() + [bonus]
+            for row_tokens, row_nodes, (_, bonus) in zip(tokens, nodes, accepted, strict=True)
+        ]
         return nodes, settled
 
-    def commit(self, plan: Plan, trees: list[Tree], states: States, nodes: list[torch.Tensor], settled: list,
-               prefix_lens: torch.Tensor):  # fmt: skip
+    def commit(
+        self,
+        plan: Plan,
+        trees: list[Tree],
+        states: States,
+        nodes: list[torch.Tensor],
+        settled: list,
+        prefix_lens: torch.Tensor,
+    ):
         """Keep each row's accepted nodes in the cache (the rest dropped) and hand them to the drafters; each row
         moves past them and its drafters' skills follow (`Pacer.update`). Returns `step`'s results."""
         with record_function("mtp.cache"):

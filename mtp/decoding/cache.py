@@ -45,9 +45,12 @@ def attention_windows(config: PretrainedConfig) -> dict[str, int | None]:
 
 
 def tree_attention_mask(
-    tree_mask: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, windows: dict[str, int | None],
+    tree_mask: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    windows: dict[str, int | None],
     dtype: torch.dtype,
-) -> torch.Tensor | dict[str, torch.Tensor] | None:  # fmt: skip
+) -> torch.Tensor | dict[str, torch.Tensor] | None:
     """The additive 4D mask (B, 1, Q, T+Q) of a pass over each row's tree nodes after the cached slots: a node sees
     the filled slots of its row and its own ancestors, minus what lies outside a sliding layer's window. One mask,
     or one per layer type (the form transformers' models take for mixed full and sliding layers); None when there

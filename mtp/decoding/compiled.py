@@ -82,8 +82,14 @@ class CompiledPass:
             templates alone against 30.2 autotuned against oneDNN's products.
     """
 
-    def __init__(self, target: Target, every_layer: bool = False, buckets: tuple[int, ...] = BUCKETS,
-                 length: int = LENGTH, templates: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        target: Target,
+        every_layer: bool = False,
+        buckets: tuple[int, ...] = BUCKETS,
+        length: int = LENGTH,
+        templates: bool = True,
+    ):
         if list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
             raise ValueError(f"buckets={buckets}: give node counts from 1 up, ascending, each once.")
         self.target, self.every_layer, self.buckets = target, every_layer, tuple(buckets)
@@ -137,8 +143,11 @@ class CompiledPass:
         """Say, once per pass, that a row of `filled` slots outgrows the static cache, so its steps run eagerly."""
         if not self._outgrown:
             self._outgrown = True
-            print(f"mtp: a row of {filled} tokens outgrows the compiled pass's {self.length} slots: its steps run "
-                  "eagerly from here (the same output, slower)", file=sys.stderr)  # fmt: skip
+            print(
+                f"mtp: a row of {filled} tokens outgrows the compiled pass's {self.length} slots: its steps run "
+                "eagerly from here (the same output, slower)",
+                file=sys.stderr,
+            )
 
     def holds(self, filled: int, queries: int) -> bool:
         """Whether the static cache has room for a pass over `queries` nodes after `filled` slots."""
@@ -172,8 +181,14 @@ class CompiledPass:
             cache.update(layer.keys[:, :, :filled].clone(), layer.values[:, :, :filled].clone(), index)
         return cache
 
-    def run(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor, slots: torch.Tensor,
-            every_layer: bool = False) -> States:  # fmt: skip
+    def run(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        tree_mask: torch.Tensor,
+        slots: torch.Tensor,
+        every_layer: bool = False,
+    ) -> States:
         """One pass over the nodes `tokens` (1, Q) at `positions` (1, Q), node i seeing node j iff `tree_mask`
         (1, Q, Q), after the filled slots `slots` (1, T) of the static cache: their states (every layer's if
         `every_layer`) and logits. Compiled, the pass is padded to its bucket; over more nodes than the largest bucket,
@@ -215,16 +230,22 @@ class CompiledPass:
             said = f"loading the verification pass compiled for {counts} nodes (from {folder})"
         else:
             kept = folder if self._packaged else os.environ[INDUCTOR_DIR]
-            said = f"compiling the verification pass for {counts} nodes on {self.target.device.type} (kept in {kept} " \
-                   "for later processes)"  # fmt: skip
+            said = (
+                f"compiling the verification pass for {counts} nodes on {self.target.device.type} (kept in {kept} "
+                "for later processes)"
+            )
         print(f"mtp: {said}", end="", file=sys.stderr, flush=True)
         slots = torch.arange(context, device=self.target.device)[None]
         for size in reversed(self.buckets):  # the largest first: the package is traced over it
             self.load(prefill)
             step = time.perf_counter()
             nodes = torch.zeros(1, size, dtype=torch.long, device=self.target.device)
-            self.run(nodes, context + torch.arange(size, device=nodes.device)[None],
-                     torch.ones(1, size, size, dtype=torch.bool, device=nodes.device).tril(), slots)  # fmt: skip
+            self.run(
+                nodes,
+                context + torch.arange(size, device=nodes.device)[None],
+                torch.ones(1, size, size, dtype=torch.bool, device=nodes.device).tril(),
+                slots,
+            )
             print(f" {size}: {time.perf_counter() - step:.0f} s", end="", file=sys.stderr, flush=True)
         print(f"; {time.perf_counter() - start:.0f} s in all", file=sys.stderr)
 
@@ -232,8 +253,12 @@ class CompiledPass:
         """The settings the pass is traced and compiled under: grouped keys on a CPU (see `grouped_keys`), the usual
         products (which inductor packs itself) and inductor's settings."""
         stack = ExitStack()
-        for context in (grouped_keys(self.target.device.type == "cpu"), usual_linears(self.target.backbone),
-                        usual_linears(self.target.lm_head), internals.inductor_settings(self.settings)):  # fmt: skip
+        for context in (
+            grouped_keys(self.target.device.type == "cpu"),
+            usual_linears(self.target.backbone),
+            usual_linears(self.target.lm_head),
+            internals.inductor_settings(self.settings),
+        ):
             stack.enter_context(context)
         return stack
 
@@ -293,17 +318,28 @@ class CompiledPass:
         configuration and weights, the cache's length, the buckets and what the pass
         gives."""
         key = hashlib.sha256()
-        parts = [device_name(self.target.device), torch.__version__, transformers.__version__, self.target.dtype,
-                 self.target.backbone.config.to_json_string(), self.length, self.every_layer,
-                 sorted(self.settings.items()), PACKAGES, self.buckets]  # fmt: skip
+        parts = [
+            device_name(self.target.device),
+            torch.__version__,
+            transformers.__version__,
+            self.target.dtype,
+            self.target.backbone.config.to_json_string(),
+            self.length,
+            self.every_layer,
+            sorted(self.settings.items()),
+            PACKAGES,
+            self.buckets,
+        ]
         key.update(repr(parts).encode() + self._weights)
         return cache_dir() / "passes" / f"{key.hexdigest()[:24]}-{'-'.join(map(str, self.buckets))}.pt2"
 
     @cached_property
     def _weights(self) -> bytes:
         """The weights as the packages' key holds them: each tensor's name and its sums over 64 stretches."""
-        sums = [(name, torch.stack([part.sum(dtype=torch.float64) for part in weight.detach().reshape(-1).chunk(64)]))
-                for name, weight in self._forward.state_dict().items()]  # fmt: skip
+        sums = [
+            (name, torch.stack([part.sum(dtype=torch.float64) for part in weight.detach().reshape(-1).chunk(64)]))
+            for name, weight in self._forward.state_dict().items()
+        ]
         return b"".join(name.encode() + each.cpu().numpy().tobytes() for name, each in sums)
 
 
@@ -376,8 +412,14 @@ class _Pass(torch.nn.Module):
         """(last hidden states, logits, every layer's hidden states or None), the pass's keys and values written
         after the cache's filled slots."""
         self.cache.seen = next(iter(mask.values())).shape[-1] if isinstance(mask, dict) else mask.shape[-1]
-        out = self.backbone(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, cache=self.cache,
-                            use_cache=True, output_hidden_states=self.every_layer)  # fmt: skip
+        out = self.backbone(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=mask,
+            cache=self.cache,
+            use_cache=True,
+            output_hidden_states=self.every_layer,
+        )
         hidden = out.last_hidden_state
         return hidden, self.finish(self.lm_head(hidden)), out.hidden_states if self.every_layer else None
 
@@ -401,8 +443,9 @@ class _CacheInputs(torch.nn.Module):
                 layer.keys, layer.values, layer.cumulative_length = tensors
 
 
-def compile_pass(base_model, compile: bool | None = None, every_layer: bool = False,
-                 nodes: int = BUCKETS[-1]) -> CompiledPass | None:  # fmt: skip
+def compile_pass(
+    base_model, compile: bool | None = None, every_layer: bool = False, nodes: int = BUCKETS[-1]
+) -> CompiledPass | None:
     """`base_model`'s verification pass (with every layer's hidden states if `every_layer`) compiled and warmed up if
     `compile` (None: unless the environment sets MTP_COMPILE=0), for the buckets a decoder that verifies at most
     `nodes` nodes a pass can use (plain decoding: 1, one bucket); None if not, or if compiling fails (then said in
@@ -416,8 +459,10 @@ def compile_pass(base_model, compile: bool | None = None, every_layer: bool = Fa
         compiled = CompiledPass(Target(base_model), every_layer, buckets)
         compiled.warm_up()
     except Exception as error:  # a model, device or torch that inductor cannot compile for: eager steps, as before
-        print(f"\nmtp: could not compile {base_model.config.model_type}'s verification pass "
-              f"({error.__class__.__name__}: {str(error).splitlines()[0][:200]}): decoding steps run eagerly",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"\nmtp: could not compile {base_model.config.model_type}'s verification pass "
+            f"({error.__class__.__name__}: {str(error).splitlines()[0][:200]}): decoding steps run eagerly",
+            file=sys.stderr,
+        )
         return None
     return compiled

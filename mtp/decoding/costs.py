@@ -28,14 +28,7 @@ ROUNDS = 4  # every size is timed once a round, in turn, forward then backward: 
 # taken at the same moment for all sizes when the host's speed drifts steadily
 CONTEXT = 256  # prompt tokens before the timed steps
 STEPS = 8  # the version of a step's code and its timing, in the costs' key: raised when a change makes steps cheaper
-# or dearer, or times them otherwise, so that costs measured before it are measured again (2: the heads' draft
-# products as measured faster, 5.6 -> 2.8 ms a 4-node tree step in float32 on the Zen 4 EPYC; 3: sizes timed in
-# turn, ROUNDS; 4: the CPU's products as C++ GEMM templates alone in float32, an 8-node pass 45.5 -> 34.6 ms; 5: their
-# micro-kernel's accumulators kept in registers, an 8-node pass 33.0 -> 21.7 ms; 6: drafting from int8 rows on a CPU,
-# a 4-node tree's drafting 3.6 -> 2.4 ms a step on the AVX2 EPYC, the micro-kernel's prefetch (`compiled.PACKAGES`
-# 4), and timed sizes out of order pooled, `monotone`; 7: 8 rows at once on AVX2, an 8-node pass 1.63 -> 1.28 one-node
-# passes on the AVX2 EPYC, `compiled.PACKAGES` 5; 8: the heads' small layers drafting from int8 rows and the accepted
-# nodes moved in every layer at once, a step's proposal 2.8 -> 2.3 ms and its cache 0.93 -> 0.69 ms on the AVX2 EPYC)
+# or dearer, or times them otherwise, so that costs measured before it are measured again
 
 
 def timed_sizes(paths: list[Path], batch: int) -> list[int]:
@@ -52,9 +45,17 @@ def timed(call, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def measure_steps(model, tokenizer, heads: Drafts, paths: list[Path], context: int = CONTEXT, steps: int = 3,
-                  batch: int = 1, bound: float | None = None,
-                  compiled: CompiledPass | None = None) -> list[float]:  # fmt: skip
+def measure_steps(
+    model,
+    tokenizer,
+    heads: Drafts,
+    paths: list[Path],
+    context: int = CONTEXT,
+    steps: int = 3,
+    batch: int = 1,
+    bound: float | None = None,
+    compiled: CompiledPass | None = None,
+) -> list[float]:
     """Seconds per decoding step of `batch` rows for each of `timed_sizes`, after prompts of `context` random tokens:
     the median of its steps over ROUNDS rounds, each timing every size in turn (`steps` steps of fresh rows after a
     warm-up one), in one order and then the other, so that the host's speed, which drifts over seconds, weighs on
@@ -66,8 +67,13 @@ def measure_steps(model, tokenizer, heads: Drafts, paths: list[Path], context: i
     prompts = torch.randint(len(tokenizer), (batch, 1, context), generator=torch.Generator().manual_seed(0))
 
     def time_steps(size: int, usual: bool = False, eager: bool = False) -> list[float]:
-        decoder = Decoder(model, tokenizer, heads if size > 1 else None, Tree.from_paths(paths[: size - 1]),
-                          compiled=None if eager else compiled)  # fmt: skip
+        decoder = Decoder(
+            model,
+            tokenizer,
+            heads if size > 1 else None,
+            Tree.from_paths(paths[: size - 1]),
+            compiled=None if eager else compiled,
+        )
         with usual_linears(model) if usual else nullcontext():
             rows = decoder.batch(GREEDY)
             for prompt in prompts:
@@ -123,10 +129,21 @@ def machine_key(model, heads: Drafts, compiled: CompiledPass | None = None, cont
     config = heads.config
     vocabulary = len(config.draft_vocab or []) or "full"
     steps = f"compiled {list(compiled.buckets)}, {compiled.length} slots" if compiled is not None else "eager"
-    return " | ".join([device_name(model.device), f"torch {torch.__version__}", str(model.dtype), blocks_of(model),
-                       config.identity(),
-                       f"{config.num_heads} {config.head_type} heads", config.lm_head,
-                       f"draft vocabulary {vocabulary}", f"context {context}", steps, f"steps v{STEPS}"])  # fmt: skip
+    return " | ".join(
+        [
+            device_name(model.device),
+            f"torch {torch.__version__}",
+            str(model.dtype),
+            blocks_of(model),
+            config.identity(),
+            f"{config.num_heads} {config.head_type} heads",
+            config.lm_head,
+            f"draft vocabulary {vocabulary}",
+            f"context {context}",
+            steps,
+            f"steps v{STEPS}",
+        ]
+    )
 
 
 def candidates(config, paths: list[Path], expected: list[float]) -> list[Candidate]:
@@ -134,12 +151,20 @@ def candidates(config, paths: list[Path], expected: list[float]) -> list[Candida
     size grown from its calibration (`paths`, with the `expected` tau of each size: `mtp.decoding.tree.grow_tree`)."""
     if config.acceptance:
         return [Candidate.from_dict(saved) for saved in config.acceptance]
-    return [Candidate(size, (), expected[size - 1] - 1.0, depth=max(map(len, paths[: size - 1]), default=0))
-            for size in timed_sizes(paths, 1)]  # fmt: skip
+    return [
+        Candidate(size, (), expected[size - 1] - 1.0, depth=max(map(len, paths[: size - 1]), default=0))
+        for size in timed_sizes(paths, 1)
+    ]
 
 
-def machine_pacer(model, tokenizer, heads: Drafts, candidates: list[Candidate], paths: list[Path],
-                  compiled: CompiledPass | None = None) -> Pacer:  # fmt: skip
+def machine_pacer(
+    model,
+    tokenizer,
+    heads: Drafts,
+    candidates: list[Candidate],
+    paths: list[Path],
+    compiled: CompiledPass | None = None,
+) -> Pacer:
     """The pacing of `candidates` (trees of the first size - 1 of `paths`) on this machine: step costs for one row
     measured now (or read from the cache), those of B rows when a batch first needs them (`Pacer.prepare`); the
     first measurement on a machine says in one line what it found and chose."""
@@ -152,8 +177,12 @@ def machine_pacer(model, tokenizer, heads: Drafts, candidates: list[Candidate], 
         sizes = timed_sizes(paths, batch)
         name = f"{key} | sizes {sizes} | bound {bound}" + (f" | batch {batch}" if batch > 1 else "")
         fresh = []
-        timed_costs = measured("step_seconds.json", name, lambda: measure_steps(model, tokenizer, heads, paths,
-                               batch=batch, bound=bound, compiled=compiled), fresh=fresh.append)  # fmt: skip
+        timed_costs = measured(
+            "step_seconds.json",
+            name,
+            lambda: measure_steps(model, tokenizer, heads, paths, batch=batch, bound=bound, compiled=compiled),
+            fresh=fresh.append,
+        )
         last = SIZES[len(timed_costs) - 1]  # the largest size timed
         costs = step_costs(timed_costs, last + max(len(c.nodes) for c in candidates))
         cut = compiled is not None and batch == 1  # lookup's nodes past the largest compiled pass are dropped
@@ -162,16 +191,23 @@ def machine_pacer(model, tokenizer, heads: Drafts, candidates: list[Candidate], 
         if cut:  # a candidate sized as this pass verifies it comes before another's cut estimated to the same
             fits = {(c.size, c.lookup) for c in verified if within(c, largest) is c}
             verified = [w for c in verified if (w := within(c, largest)) is c or (w.size, w.lookup) not in fits]
-        options = [(Plan(trees[c.size], Lookup(c.lookup) if any(c.lookup) else None, c),
-                    c.seconds(costs[: max(c.size, largest)], batch)) for c in verified]  # fmt: skip
+        options = [
+            (
+                Plan(trees[c.size], Lookup(c.lookup) if any(c.lookup) else None, c),
+                c.seconds(costs[: max(c.size, largest)], batch),
+            )
+            for c in verified
+        ]
         if fresh:
             plan, seconds = fastest(options, [(1.0, 1.0)] * batch)
             ratios = ", ".join(f"{n} nodes {costs[n - 1] / costs[0]:.2f}x" for n in (2, 3, 4, 8) if n <= last)
             rows = f"{batch} prompts at once" if batch > 1 else "one prompt"
-            print(f"mtp: timed decoding steps on {device_name(model.device)}, {model.dtype}, {rows} (once; kept in "
-                  f"{cache_dir() / 'step_seconds.json'}): plain {costs[0] * 1e3:.1f} ms, {ratios}; chose "
-                  f"{describe(plan)}, expected {plan.candidate.tau * costs[0] / seconds:.2f}x plain",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"mtp: timed decoding steps on {device_name(model.device)}, {model.dtype}, {rows} (once; kept in "
+                f"{cache_dir() / 'step_seconds.json'}): plain {costs[0] * 1e3:.1f} ms, {ratios}; chose "
+                f"{describe(plan)}, expected {plan.candidate.tau * costs[0] / seconds:.2f}x plain",
+                file=sys.stderr,
+            )
         return options
 
     return Pacer({1: plans(1)}, measure=plans)

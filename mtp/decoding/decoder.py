@@ -83,8 +83,10 @@ class Decoder:
             levels = tree.deepest if isinstance(tree, DynamicTree) else tree.depth
             if levels and drafter.max_depth is not None and levels > drafter.max_depth:
                 depth = drafter.max_depth
-                raise ValueError(f"The tree is {levels} levels deep, but the drafter fills only {depth} levels: "
-                                 f"give a tree at most {depth} deep.")  # fmt: skip
+                raise ValueError(
+                    f"The tree is {levels} levels deep, but the drafter fills only {depth} levels: "
+                    f"give a tree at most {depth} deep."
+                )
             pacer = Pacer.fixed(Plan(tree, lookup if lookup is not None and lookup.reach else None))
         self.pacer = pacer
         plan = pacer.best(1)  # what a step over one prompt verifies at first
@@ -104,8 +106,9 @@ class Decoder:
         if isinstance(prompt, str):
             ids = self.tokenizer(prompt, return_tensors="pt").input_ids
         else:
-            ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_tensors="pt",
-                                                     return_dict=True)["input_ids"]  # fmt: skip
+            ids = self.tokenizer.apply_chat_template(
+                prompt, add_generation_prompt=True, return_tensors="pt", return_dict=True
+            )["input_ids"]
         text = prompt if isinstance(prompt, str) else prompt[-1].get("content", "") if prompt else ""
         if ids.shape[1] == 0 or not isinstance(text, str) or not text.strip():
             raise ValueError("The prompt is empty: give some text, or end the messages with a non-empty one.")
@@ -170,8 +173,14 @@ class Decoder:
             pass
         return results if many else results[0]
 
-    def answers(self, prompts: list, max_new_tokens: int = 128, sampling: Sampling = GREEDY, batch_size: int = 1,
-                numbers: list[int] | None = None) -> Iterator[tuple[int, GenerationResult]]:  # fmt: skip
+    def answers(
+        self,
+        prompts: list,
+        max_new_tokens: int = 128,
+        sampling: Sampling = GREEDY,
+        batch_size: int = 1,
+        numbers: list[int] | None = None,
+    ) -> Iterator[tuple[int, GenerationResult]]:
         """`generate` of the list `prompts`, yielding (its place in `prompts`, its result) as each answer ends, in
         the order they end: a caller keeps each as it comes (self-distillation writes it to disk). `numbers`:
         each prompt's number (default its place), which seeds its generator when sampling (with the seed)."""
@@ -196,9 +205,15 @@ class Decoder:
                 yield text
 
     def _answers(
-        self, prompts: list, max_new_tokens: int, stop: list[str], sampling: Sampling, batch_size: int,
-        results: list[GenerationResult], numbers: list[int] | None = None,
-    ) -> Iterator[tuple[int, str, bool]]:  # fmt: skip
+        self,
+        prompts: list,
+        max_new_tokens: int,
+        stop: list[str],
+        sampling: Sampling,
+        batch_size: int,
+        results: list[GenerationResult],
+        numbers: list[int] | None = None,
+    ) -> Iterator[tuple[int, str, bool]]:
         """Decode `prompts`, at most `batch_size` at a time, filling `results` (prompt i sampling with a generator
         seeded from the seed and `numbers[i]`, default i); yield (prompt index, new text, whether its answer is
         done) as text settles and as each answer ends."""

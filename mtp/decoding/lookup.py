@@ -55,11 +55,16 @@ class Lookup:
 
 def add_lookup_arguments(parser: argparse.ArgumentParser) -> None:
     """The prompt-lookup option of decode.py and mtp.tools.bench."""
-    parser.add_argument("--lookup", type=int, nargs="+", metavar="L",
-                        help="prompt lookup: verify tokens copied from earlier text beside the heads' guesses each "
-                        f"step, at most L after a match of 1, 2, ... tokens (longest match first; one L: the same "
-                        f"after matches of 1 to {MAX_NGRAM}; 0: off); default: what mtp.tools.sizing chose for the "
-                        "heads, else off")  # fmt: skip
+    parser.add_argument(
+        "--lookup",
+        type=int,
+        nargs="+",
+        metavar="L",
+        help="prompt lookup: verify tokens copied from earlier text beside the heads' guesses each "
+        f"step, at most L after a match of 1, 2, ... tokens (longest match first; one L: the same "
+        f"after matches of 1 to {MAX_NGRAM}; 0: off); default: what mtp.tools.sizing chose for the "
+        "heads, else off",
+    )
 
 
 def lookup_from(args: argparse.Namespace) -> Lookup | None:

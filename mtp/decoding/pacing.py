@@ -77,14 +77,25 @@ class Candidate:
 
     def as_dict(self) -> dict:
         """As `DrafterConfig.acceptance` saves it."""
-        return {"size": self.size, "lookup": list(self.lookup), "from_tree": round(self.from_tree, 5),
-                "from_lookup": round(self.from_lookup, 5), "nodes": [round(n, 5) for n in self.nodes],
-                "depth": self.depth}  # fmt: skip
+        return {
+            "size": self.size,
+            "lookup": list(self.lookup),
+            "from_tree": round(self.from_tree, 5),
+            "from_lookup": round(self.from_lookup, 5),
+            "nodes": [round(n, 5) for n in self.nodes],
+            "depth": self.depth,
+        }
 
     @classmethod
     def from_dict(cls, saved: dict) -> "Candidate":
-        return cls(saved["size"], tuple(saved["lookup"]), saved["from_tree"], saved["from_lookup"],
-                   tuple(saved["nodes"]), saved["depth"])  # fmt: skip
+        return cls(
+            saved["size"],
+            tuple(saved["lookup"]),
+            saved["from_tree"],
+            saved["from_lookup"],
+            tuple(saved["nodes"]),
+            saved["depth"],
+        )
 
 
 @dataclass(frozen=True)

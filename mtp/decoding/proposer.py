@@ -133,8 +133,9 @@ class TreeProposer(Proposer):
             inherited = draft.ancestors.gather(1, parents[..., None].expand(-1, -1, size))  # (B, P k, M)
             itself = torch.eye(count, dtype=torch.bool, device=device).expand(batch, -1, -1)
             ancestors = torch.cat([F.pad(draft.ancestors, (0, count)), torch.cat([inherited, itself], -1)], 1)
-            draft = Draft(torch.cat([draft.tokens, best.flatten(1)], 1), torch.cat([draft.parents, parents], 1),
-                          ancestors)  # fmt: skip
+            draft = Draft(
+                torch.cat([draft.tokens, best.flatten(1)], 1), torch.cat([draft.parents, parents], 1), ancestors
+            )
             scores = torch.cat([scores, joint], 1)
             ranks = torch.cat([ranks, torch.arange(k, device=device).repeat(count // k).expand(batch, -1)], 1)
             frontier = size + joint.topk(min(k, count), dim=-1).indices  # (B, k)

@@ -79,9 +79,13 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
     parser.add_argument("--top-p", type=float, default=1.0, help="sample from the top-p probability mass (1: all)")
     parser.add_argument("--seed", type=int, help="random seed: the same seed gives the same output")
-    parser.add_argument("--acceptance", choices=ACCEPTANCE, default="exact",
-                        help="exact (default): samples keep the base model's distribution; typical: Medusa's "
-                        "typical acceptance, often faster but NOT the base model's distribution")  # fmt: skip
+    parser.add_argument(
+        "--acceptance",
+        choices=ACCEPTANCE,
+        default="exact",
+        help="exact (default): samples keep the base model's distribution; typical: Medusa's "
+        "typical acceptance, often faster but NOT the base model's distribution",
+    )
 
 
 def sampling_from(args: argparse.Namespace) -> Sampling:

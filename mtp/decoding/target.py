@@ -68,8 +68,10 @@ class Target:
         rope = getattr(text, "rope_parameters", None) or {}
         kinds = [rope] if "rope_type" in rope else [p for p in rope.values() if isinstance(p, dict)]  # per layer type
         longrope = [p for p in kinds if p.get("rope_type") == "longrope"]
-        self.rope_limit = min((p.get("original_max_position_embeddings") or text.original_max_position_embeddings
-                               for p in longrope), default=None)  # fmt: skip
+        self.rope_limit = min(
+            (p.get("original_max_position_embeddings") or text.original_max_position_embeddings for p in longrope),
+            default=None,
+        )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The base model's next-token logits (..., V) from its last hidden states (..., H)."""

@@ -234,8 +234,24 @@ def grow_tree(calibration: list[list[float]], max_nodes: int) -> tuple[list[Path
 # plain steps, so the small ones are the CPU defaults.
 _SMALL = [(0,), (1,), (0, 0), (2,), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0)]
 _MEDIUM = _SMALL + [(3,), (0, 2), (2, 0), (1, 1), (0, 0, 1), (0, 1, 0), (1, 0, 0), (0, 0, 0, 1)]
-_LARGE = _MEDIUM + [(4,), (0, 3), (3, 0), (1, 2), (2, 1), (0, 0, 2), (0, 2, 0), (1, 0, 1), (1, 1, 0), (2, 0, 0),
-                    (0, 1, 1), (0, 0, 1, 0), (0, 1, 0, 0), (1, 0, 0, 0), (0, 0, 0, 2), (2, 2)]  # fmt: skip
+_LARGE = _MEDIUM + [
+    (4,),
+    (0, 3),
+    (3, 0),
+    (1, 2),
+    (2, 1),
+    (0, 0, 2),
+    (0, 2, 0),
+    (1, 0, 1),
+    (1, 1, 0),
+    (2, 0, 0),
+    (0, 1, 1),
+    (0, 0, 1, 0),
+    (0, 1, 0, 0),
+    (1, 0, 0, 0),
+    (0, 0, 0, 2),
+    (2, 2),
+]
 NAMED_TREES: dict[str, list[Path]] = {
     "chain": [(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)],
     "small": _SMALL,
@@ -243,9 +259,11 @@ NAMED_TREES: dict[str, list[Path]] = {
     "large": _LARGE,
 }
 DEFAULT_TREE = "small"
-TREE_HELP = (f"one of {sorted(NAMED_TREES)}, a number N (the N-node tree grown from the heads' calibration), or "
-             "dynamic:NODES:DEPTH:TOP_K (a tree grown every step from the drafter's probabilities); default: the tree "
-             "saved with the heads")  # fmt: skip
+TREE_HELP = (
+    f"one of {sorted(NAMED_TREES)}, a number N (the N-node tree grown from the heads' calibration), or "
+    "dynamic:NODES:DEPTH:TOP_K (a tree grown every step from the drafter's probabilities); default: the tree "
+    "saved with the heads"
+)
 
 
 def named_tree(name: str, num_heads: int, calibration: list[list[float]] | None = None) -> Tree | DynamicTree:

@@ -287,9 +287,14 @@ class Drafter(nn.Module, metaclass=ABCMeta):
 
 
 def load_with_base(
-    folder: str | Path, base_model: str | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32,
-    fast: bool = True, adapt: bool = True, weights: str = "float",
-) -> tuple[Drafter, PreTrainedModel, PreTrainedTokenizerBase]:  # fmt: skip
+    folder: str | Path,
+    base_model: str | None = None,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    fast: bool = True,
+    adapt: bool = True,
+    weights: str = "float",
+) -> tuple[Drafter, PreTrainedModel, PreTrainedTokenizerBase]:
     """The drafter in `folder` and the base it was trained for, checked to fit it, both on `device` in `dtype`:
     (drafter, base model, tokenizer). `base_model`: load that base instead of the one the drafter names (a local
     copy of it); `fast`: the base's linear products as `mtp.base.load_base` takes them; `adapt`: with the adapter

@@ -33,8 +33,19 @@ from mtp.linears import int8_drafts, int8_product
 
 # the base's rotary settings the drafter's layer takes: its type, theta and scaling (not a partial rotary factor:
 # the drafter rotates whole heads)
-ROPE_KEYS = ("rope_type", "rope_theta", "factor", "original_max_position_embeddings", "low_freq_factor",
-             "high_freq_factor", "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim")  # fmt: skip
+ROPE_KEYS = (
+    "rope_type",
+    "rope_theta",
+    "factor",
+    "original_max_position_embeddings",
+    "low_freq_factor",
+    "high_freq_factor",
+    "beta_fast",
+    "beta_slow",
+    "attention_factor",
+    "mscale",
+    "mscale_all_dim",
+)
 
 
 def layer_shape(model: PreTrainedModel) -> dict:
@@ -52,10 +63,13 @@ def layer_shape(model: PreTrainedModel) -> dict:
         "hidden_act": getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", "silu"),
         "rms_norm_eps": getattr(config, "rms_norm_eps", None) or 1e-6,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}
-        | {k: v for k, v in (getattr(config, "rope_parameters", None) or {}).items()
-           if k in ROPE_KEYS and v is not None},
+        | {
+            k: v
+            for k, v in (getattr(config, "rope_parameters", None) or {}).items()
+            if k in ROPE_KEYS and v is not None
+        },
         "max_position_embeddings": getattr(config, "max_position_embeddings", None) or 4096,
-    }  # fmt: skip
+    }
 
 
 class Attention(nn.Module):
@@ -64,8 +78,11 @@ class Attention(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         wide, self.heads, self.kv_heads, self.head_dim = (
-            2 * config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        )  # fmt: skip
+            2 * config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
         self.q_proj = nn.Linear(wide, self.heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(wide, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(wide, self.kv_heads * self.head_dim, bias=False)
@@ -116,8 +133,10 @@ class Eagle(Drafter, kind="eagle"):
     def __init__(self, config: DrafterConfig):
         super().__init__()
         if not config.draft_layer:
-            raise ValueError("An eagle drafter needs its layer's shape (DrafterConfig.draft_layer): build it with "
-                             "Eagle.new(config, base_model), which copies the base model's.")  # fmt: skip
+            raise ValueError(
+                "An eagle drafter needs its layer's shape (DrafterConfig.draft_layer): build it with "
+                "Eagle.new(config, base_model), which copies the base model's."
+            )
         if not config.feature_layers:
             raise ValueError("feature_layers is empty: name the base model's hidden states the drafter reads.")
         self.config = config
@@ -164,48 +183,71 @@ class Eagle(Drafter, kind="eagle"):
         are read as vLLM reads them (`eagle_aux_hidden_state_layer_ids`: transformers' `hidden_states` indices)."""
         speculators = "speculators_config" in raw
         layer = raw["transformer_layer_config"] if speculators else raw
-        variants = [key for key in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
-                    if raw.get(key, speculators and key == "norm_before_residual")]  # fmt: skip  # vLLM's defaults
+        variants = [
+            key
+            for key in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+            if raw.get(key, speculators and key == "norm_before_residual")
+        ]  # vLLM's defaults
         if variants or layer.get("num_hidden_layers", 1) != 1:
             what = ", ".join(variants) or "more than one layer"
-            raise ValueError(f"{folder / 'config.json'} describes an EAGLE-3 variant mtp does not build ({what}): "
-                             f"serve it with vLLM or SGLang.")  # fmt: skip
+            raise ValueError(
+                f"{folder / 'config.json'} describes an EAGLE-3 variant mtp does not build ({what}): "
+                f"serve it with vLLM or SGLang."
+            )
         ids = raw.get("eagle_aux_hidden_state_layer_ids")
         if not ids:
-            raise ValueError(f"{folder / 'config.json'} names no feature layers: add `eagle_aux_hidden_state_layer_ids`"
-                             f" (EAGLE-3's default for a base of L layers: [2, L // 2, L - 3]).")  # fmt: skip
+            raise ValueError(
+                f"{folder / 'config.json'} names no feature layers: add `eagle_aux_hidden_state_layer_ids`"
+                f" (EAGLE-3's default for a base of L layers: [2, L // 2, L - 3])."
+            )
         files = sorted(folder.glob("model*.safetensors"))
         if files:
             stored = {name: tensor for file in files for name, tensor in load_file(file).items()}
         elif (folder / "pytorch_model.bin").is_file():  # as SafeAILab/EAGLE's published drafters are stored
             stored = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
         else:
-            raise FileNotFoundError(f"{folder / 'model.safetensors'} (or pytorch_model.bin) does not exist: an "
-                                    f"EAGLE-3 drafter keeps its weights there.")  # fmt: skip
-        weights = {name.removeprefix("model.").replace("layers.0.", "midlayer.", 1): tensor
-                   for name, tensor in stored.items()}  # fmt: skip
+            raise FileNotFoundError(
+                f"{folder / 'model.safetensors'} (or pytorch_model.bin) does not exist: an "
+                f"EAGLE-3 drafter keeps its weights there."
+            )
+        weights = {
+            name.removeprefix("model.").replace("layers.0.", "midlayer.", 1): tensor for name, tensor in stored.items()
+        }
         vocab, heads = layer["vocab_size"], layer["num_attention_heads"]
         d2t = weights.pop("d2t", None)
         for unused in ("t2d", "embed_tokens.weight"):  # the draft vocabulary is d2t's; embeddings are the base's
             weights.pop(unused, None)
         draft = None if d2t is None else (d2t + torch.arange(len(d2t))).tolist()
         if draft is not None and any(a >= b for a, b in zip(draft, draft[1:], strict=False)):
-            raise ValueError(f"{folder}: its d2t does not map draft ids to increasing target ids, as EAGLE-3's does: "
-                             f"not an EAGLE-3 draft vocabulary.")  # fmt: skip
+            raise ValueError(
+                f"{folder}: its d2t does not map draft ids to increasing target ids, as EAGLE-3's does: "
+                f"not an EAGLE-3 draft vocabulary."
+            )
         scaling = layer.get("rope_parameters") or layer.get("rope_scaling") or {}
         rope = {"rope_type": scaling.get("type", "default"), "rope_theta": float(layer.get("rope_theta") or 10000.0)}
         rope |= {k: v for k, v in scaling.items() if k in ROPE_KEYS and v is not None}
         shape = {name: layer[name] for name in ("hidden_size", "num_attention_heads", "intermediate_size")}
-        shape |= {"num_key_value_heads": layer.get("num_key_value_heads") or heads,
-                  "head_dim": layer.get("head_dim") or layer["hidden_size"] // heads,
-                  "hidden_act": layer.get("hidden_act", "silu"), "rms_norm_eps": layer.get("rms_norm_eps", 1e-6),
-                  "rope_parameters": rope,
-                  "max_position_embeddings": layer.get("max_position_embeddings", 4096)}  # fmt: skip
+        shape |= {
+            "num_key_value_heads": layer.get("num_key_value_heads") or heads,
+            "head_dim": layer.get("head_dim") or layer["hidden_size"] // heads,
+            "hidden_act": layer.get("hidden_act", "silu"),
+            "rms_norm_eps": layer.get("rms_norm_eps", 1e-6),
+            "rope_parameters": rope,
+            "max_position_embeddings": layer.get("max_position_embeddings", 4096),
+        }
         tokens = raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"] if speculators else 3
         base = raw["speculators_config"]["verifier"].get("name_or_path", "") if speculators else ""
-        config = DrafterConfig(num_heads=tokens, head_type="eagle", lm_head="own", base_model=base or "",
-                             hidden_size=raw.get("target_hidden_size") or layer["hidden_size"], vocab_size=vocab,
-                             draft_vocab=draft, feature_layers=list(ids), draft_layer=shape)  # fmt: skip
+        config = DrafterConfig(
+            num_heads=tokens,
+            head_type="eagle",
+            lm_head="own",
+            base_model=base or "",
+            hidden_size=raw.get("target_hidden_size") or layer["hidden_size"],
+            vocab_size=vocab,
+            draft_vocab=draft,
+            feature_layers=list(ids),
+            draft_layer=shape,
+        )
         drafter = cls(config)
         drafter.folder = folder
         try:
@@ -217,8 +259,9 @@ class Eagle(Drafter, kind="eagle"):
                 f"{folder}'s weights do not fit its config.json: {str(error).splitlines()[-1].strip()}"
             ) from None
         if missing or unexpected:
-            raise ValueError(f"{folder} is not an EAGLE-3 drafter of this shape: missing {missing[:3]}, unexpected "
-                             f"{unexpected[:3]}.")  # fmt: skip
+            raise ValueError(
+                f"{folder} is not an EAGLE-3 drafter of this shape: missing {missing[:3]}, unexpected {unexpected[:3]}."
+            )
         return drafter
 
     def set_draft_vocab(self, ids: list[int], base_model: PreTrainedModel) -> None:

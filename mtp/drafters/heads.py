@@ -174,8 +174,14 @@ class Heads(Drafter):
         weights = load_file(found) if found.suffix == ".safetensors" else torch.load(found, weights_only=True)
         num_heads, num_layers = raw["medusa_num_heads"], raw.get("medusa_num_layers", 1)
         vocab_size, hidden_size = weights.get(f"0.{num_layers}.weight", torch.empty(0, 0)).shape
-        config = DrafterConfig(num_heads=num_heads, num_layers=num_layers, lm_head="own", hidden_size=hidden_size,
-                             vocab_size=vocab_size, base_model=raw.get("base_model_name_or_path") or "")  # fmt: skip
+        config = DrafterConfig(
+            num_heads=num_heads,
+            num_layers=num_layers,
+            lm_head="own",
+            hidden_size=hidden_size,
+            vocab_size=vocab_size,
+            base_model=raw.get("base_model_name_or_path") or "",
+        )
         names = {f"projections.{h}.weight": f"{h}.{num_layers}.weight" for h in range(num_heads)}
         for h in range(num_heads):
             for i in range(num_layers):

@@ -48,8 +48,9 @@ from mtp.training.rows import read_rows
 PLAIN = ("plain", "plain_fast", "plain_compiled")
 
 
-def timed_generate(model, prompts: list[torch.Tensor], max_new_tokens: int, sampling: Sampling, batch_size: int = 1,
-                   **options) -> tuple[list[list[int]], float]:  # fmt: skip
+def timed_generate(
+    model, prompts: list[torch.Tensor], max_new_tokens: int, sampling: Sampling, batch_size: int = 1, **options
+) -> tuple[list[list[int]], float]:
     """Plain `generate` (or prompt lookup with options) of `prompts` (each (1, T)), `batch_size` at a time, left-
     padded: each prompt's new tokens without the EOS, and the seconds of all."""
     if not sampling.greedy:
@@ -63,8 +64,13 @@ def timed_generate(model, prompts: list[torch.Tensor], max_new_tokens: int, samp
         lefts = [length - ids.shape[1] for ids in chunk]  # padding before each prompt
         input_ids = torch.cat([F.pad(ids, (left, 0), value=pad_id) for ids, left in zip(chunk, lefts, strict=True)])
         attention_mask = (torch.arange(length) >= torch.tensor(lefts)[:, None]).long().to(input_ids.device)  # (B, T)
-        out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                             pad_token_id=pad_id, **({"do_sample": False} | options))[:, length:]  # fmt: skip
+        out = model.generate(
+            input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=pad_id,
+            **({"do_sample": False} | options),
+        )[:, length:]
         outputs += [row[: next((i for i, t in enumerate(row) if t in eos), len(row))] for row in out.tolist()]
     return outputs, time.perf_counter() - start
 
@@ -115,13 +121,20 @@ def result_run(result: GenerationResult, plain: list[int] | None) -> Run:
 
 def summarise(answers: list[Answered]) -> Summary:
     names = list(answers[0].runs)
-    speed = {name: sum(a.runs[name].tokens for a in answers) / sum(a.runs[name].seconds for a in answers)
-             for name in names}  # fmt: skip
+    speed = {
+        name: sum(a.runs[name].tokens for a in answers) / sum(a.runs[name].seconds for a in answers) for name in names
+    }
     checked = [name for name in names if answers[0].runs[name].passes is not None]  # mtp and the --against ones
-    tau = {name: sum(a.runs[name].tokens for a in answers) / max(sum(a.runs[name].passes for a in answers), 1)
-           for name in checked}  # fmt: skip
-    mismatches = {name: None if answers[0].runs[name].matches_plain is None
-                  else sum(not a.runs[name].matches_plain for a in answers) for name in checked}  # fmt: skip
+    tau = {
+        name: sum(a.runs[name].tokens for a in answers) / max(sum(a.runs[name].passes for a in answers), 1)
+        for name in checked
+    }
+    mismatches = {
+        name: None
+        if answers[0].runs[name].matches_plain is None
+        else sum(not a.runs[name].matches_plain for a in answers)
+        for name in checked
+    }
     speedup = {"fastest_plain": speed["mtp"] / max(speed[name] for name in PLAIN if name in speed)}
     speedup |= {name: speed["mtp"] / value for name, value in speed.items() if name != "mtp"}
     acceptance = sum((a.acceptance for a in answers), Acceptance())
@@ -156,8 +169,9 @@ def markdown(summary: dict[str, Summary]) -> str:
         cells += [figure for d in drafters for figure in (f"{s.tau[d]:.2f}", shown(s.mismatches[d]))]
         rows.append(cells)
     slower = [name for name, s in summary.items() if s.speedup["fastest_plain"] < 1]
-    return table(columns, rows) + (f"\n\nSlower than the fastest plain decoder here: {', '.join(slower)}." if slower
-                                   else "")  # fmt: skip
+    return table(columns, rows) + (
+        f"\n\nSlower than the fastest plain decoder here: {', '.join(slower)}." if slower else ""
+    )
 
 
 def acceptance_line(acceptance: dict) -> str:
@@ -167,8 +181,10 @@ def acceptance_line(acceptance: dict) -> str:
     if not depths:
         return f"mtp's {acceptance['passes']} passes accepted no candidate"
     sources = ", ".join(f"{name} {count}" for name, count in acceptance["by_source"].items())
-    return (f"mtp's {acceptance['passes']} passes accepted a candidate at depth {depths}; "
-            f"accepted candidates by drafter: {sources}")
+    return (
+        f"mtp's {acceptance['passes']} passes accepted a candidate at depth {depths}; "
+        f"accepted candidates by drafter: {sources}"
+    )
 
 
 @dataclass
@@ -187,8 +203,9 @@ class BatchRun:
     plain_batched_mismatches_vs_alone: int | None
 
 
-def bench_batches(decoder: Decoder, chats: list, sizes: list[int], max_new_tokens: int,
-                  sampling: Sampling) -> list[BatchRun]:  # fmt: skip
+def bench_batches(
+    decoder: Decoder, chats: list, sizes: list[int], max_new_tokens: int, sampling: Sampling
+) -> list[BatchRun]:
     """Per batch size B: total tokens/s of plain `generate` and of mtp, B prompts at a time, against one at a time;
     tau (each row's tokens per verification pass, over all rows); when greedy, how many outputs differ: mtp's
     from each prompt decoded alone by plain `generate` and from plain batched `generate`, and plain batched
@@ -218,8 +235,11 @@ def bench_batches(decoder: Decoder, chats: list, sizes: list[int], max_new_token
         plain, plain_seconds = fastest_plain(size) if size > 1 else (plain_alone, plain_alone_seconds)
         results, seconds = ours(size) if size > 1 else (alone, alone_seconds)
         tokens = [result.token_ids for result in results]
-        speed = {"plain": sum(map(len, plain)) / plain_seconds, "mtp": sum(map(len, tokens)) / seconds,
-                 "mtp_alone": sum(len(r.token_ids) for r in alone) / alone_seconds}  # fmt: skip
+        speed = {
+            "plain": sum(map(len, plain)) / plain_seconds,
+            "mtp": sum(map(len, tokens)) / seconds,
+            "mtp_alone": sum(len(r.token_ids) for r in alone) / alone_seconds,
+        }
         tau = sum(map(len, tokens)) / max(sum(result.forward_passes for result in results), 1)
         ratios = speed["mtp"] / speed["plain"], speed["mtp"] / speed["mtp_alone"]
         mismatches = differ(tokens, plain_alone), differ(tokens, plain), differ(plain, plain_alone)
@@ -228,44 +248,89 @@ def bench_batches(decoder: Decoder, chats: list, sizes: list[int], max_new_token
 
 
 def batch_markdown(runs: list[BatchRun], questions: int) -> str:
-    columns = ["B", "plain batched tok/s", "mtp batched tok/s", "mtp one at a time tok/s", "vs plain batched",
-               "vs mtp one at a time", "tau", f"mtp outputs unlike alone / unlike plain batched (of {questions})",
-               "plain batched unlike alone"]  # fmt: skip
-    rows = [[r.batch_size, *(f"{r.tokens_per_second[name]:.1f}" for name in ("plain", "mtp", "mtp_alone")),
-             f"{r.speedup_vs_plain:.2f}x", f"{r.speedup_vs_mtp_alone:.2f}x", f"{r.tau:.2f}",
-             f"{r.mismatches_vs_alone} / {r.mismatches_vs_plain_batched}", r.plain_batched_mismatches_vs_alone]
-            for r in runs]  # fmt: skip
+    columns = [
+        "B",
+        "plain batched tok/s",
+        "mtp batched tok/s",
+        "mtp one at a time tok/s",
+        "vs plain batched",
+        "vs mtp one at a time",
+        "tau",
+        f"mtp outputs unlike alone / unlike plain batched (of {questions})",
+        "plain batched unlike alone",
+    ]
+    rows = [
+        [
+            r.batch_size,
+            *(f"{r.tokens_per_second[name]:.1f}" for name in ("plain", "mtp", "mtp_alone")),
+            f"{r.speedup_vs_plain:.2f}x",
+            f"{r.speedup_vs_mtp_alone:.2f}x",
+            f"{r.tau:.2f}",
+            f"{r.mismatches_vs_alone} / {r.mismatches_vs_plain_batched}",
+            r.plain_batched_mismatches_vs_alone,
+        ]
+        for r in runs
+    ]
     return table(columns, rows).replace("| --- |", "| ---: |", 1)
 
 
 def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", "--heads", required=True)
-    parser.add_argument("--against", metavar="HEADS", action="append", default=[],
-                        help="also decode with this drafter folder (for the same base, with its own saved tree "
-                        "and lookup), interleaved in the same run; repeat it for more (against 1, 2, ...)")  # fmt: skip
-    parser.add_argument("--against-tree", metavar="TREE", action="append", default=[],
-                        help="the --against drafters' trees instead of their saved ones (as --tree), one per "
-                        "--against in order; with one folder twice: two trees of one drafter side by side")  # fmt: skip
+    parser.add_argument(
+        "--against",
+        metavar="HEADS",
+        action="append",
+        default=[],
+        help="also decode with this drafter folder (for the same base, with its own saved tree "
+        "and lookup), interleaved in the same run; repeat it for more (against 1, 2, ...)",
+    )
+    parser.add_argument(
+        "--against-tree",
+        metavar="TREE",
+        action="append",
+        default=[],
+        help="the --against drafters' trees instead of their saved ones (as --tree), one per "
+        "--against in order; with one folder twice: two trees of one drafter side by side",
+    )
     parser.add_argument("--questions", required=True, help="JSON lines with `turns` (first turn used) or `prompt`")
     parser.add_argument("--limit", type=int, help="the first N questions, spread over categories in file order")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--tree", help=TREE_HELP)
     add_sampling_arguments(parser)
     add_lookup_arguments(parser)
-    parser.add_argument("--batch-size", type=int, nargs="+", metavar="B",
-                        help="instead: total tokens/s of mtp and plain `generate` answering B prompts at a time, "
-                        "for each B, against one at a time")  # fmt: skip
-    parser.add_argument("--repeat", type=int, default=1, metavar="N",
-                        help="time each decoder N times per question, in turn, and keep its fastest time (greedy "
-                        "only): steadier figures from few questions on a noisy machine")  # fmt: skip
-    parser.add_argument("--no-compile", dest="compile", action="store_false", default=None,
-                        help="eager verification passes (see mtp.decoding.compiled), and no compiled plain decoder")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        nargs="+",
+        metavar="B",
+        help="instead: total tokens/s of mtp and plain `generate` answering B prompts at a time, "
+        "for each B, against one at a time",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="time each decoder N times per question, in turn, and keep its fastest time (greedy "
+        "only): steadier figures from few questions on a noisy machine",
+    )
+    parser.add_argument(
+        "--no-compile",
+        dest="compile",
+        action="store_false",
+        default=None,
+        help="eager verification passes (see mtp.decoding.compiled), and no compiled plain decoder",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     add_weights_argument(parser)
-    parser.add_argument("--llama-cpp", metavar="FILE.gguf", help="time llama.cpp's plain decoding of this file too "
-                        "(the base's own: llama-cpp-python, pip install '.[peers]')")
+    parser.add_argument(
+        "--llama-cpp",
+        metavar="FILE.gguf",
+        help="time llama.cpp's plain decoding of this file too "
+        "(the base's own: llama-cpp-python, pip install '.[peers]')",
+    )
     parser.add_argument("--out", default="runs/bench/bench.json", help="JSON out; the Markdown table goes beside it")
     args = parser.parse_args()
     if args.against_tree and len(args.against_tree) != len(args.against):
@@ -274,8 +339,10 @@ def arguments() -> argparse.Namespace:
             "drafters: give one tree per --against, in the same order (a number N for the grown tree)."
         )
     if args.repeat < 1 or (args.repeat > 1 and (not sampling_from(args).greedy or args.batch_size)):
-        raise ValueError(f"--repeat {args.repeat}: give 1 or more, and more than 1 only for greedy decoding of "
-                         "questions one at a time (samples differ from one time to the next).")  # fmt: skip
+        raise ValueError(
+            f"--repeat {args.repeat}: give 1 or more, and more than 1 only for greedy decoding of "
+            "questions one at a time (samples differ from one time to the next)."
+        )
     if args.batch_size and min(args.batch_size) < 1:
         raise ValueError(f"--batch-size {args.batch_size}: give batch sizes of 1 or more.")
     return args
@@ -298,13 +365,21 @@ class Contest:
     where they differ for one row), prompt lookup, mtp's compiled plain loop (when compiled), llama.cpp (with
     --llama-cpp), mtp with its heads alone (when its lookup is on), mtp, and the --against drafters."""
 
-    def __init__(self, decoder: Decoder, others: list[Decoder], sampling: Sampling, max_new_tokens: int,
-                 plain_fast: bool, peer: "LlamaCpp | None" = None):  # fmt: skip
+    def __init__(
+        self,
+        decoder: Decoder,
+        others: list[Decoder],
+        sampling: Sampling,
+        max_new_tokens: int,
+        plain_fast: bool,
+        peer: "LlamaCpp | None" = None,
+    ):
         self.decoder, self.others, self.sampling, self.max_new_tokens = decoder, others, sampling, max_new_tokens
         self.peer = peer
         self.model = decoder.base_model
-        self.heads_alone = decoder.lookup and Decoder(self.model, decoder.tokenizer, decoder.drafter, decoder.tree,
-                                                      compiled=decoder.compiled)  # fmt: skip
+        self.heads_alone = decoder.lookup and Decoder(
+            self.model, decoder.tokenizer, decoder.drafter, decoder.tree, compiled=decoder.compiled
+        )
         self.plain_compiled = decoder.compiled and Decoder(self.model, decoder.tokenizer, compiled=decoder.compiled)
         self.plain_fast = plain_fast  # else `generate` with mtp's products is `plain` itself
 
@@ -346,8 +421,9 @@ class Contest:
         result = self.decoder.generate(messages, max_new_tokens=limit, sampling=sampling)
         runs["mtp"] = result_run(result, compared)
         for number, other in enumerate(self.others, 1):
-            runs[f"against_{number}"] = result_run(other.generate(messages, max_new_tokens=limit, sampling=sampling),
-                                                   compared)  # fmt: skip
+            runs[f"against_{number}"] = result_run(
+                other.generate(messages, max_new_tokens=limit, sampling=sampling), compared
+            )
         return Answered(question.get("category", "all"), runs, result.acceptance)
 
 
@@ -360,8 +436,10 @@ class LlamaCpp:
         try:
             from llama_cpp import Llama
         except ImportError as error:
-            raise ModuleNotFoundError("--llama-cpp needs llama-cpp-python: pip install '.[peers]' (built for this "
-                                      "machine: docs/evaluation.md gives the command)") from error  # fmt: skip
+            raise ModuleNotFoundError(
+                "--llama-cpp needs llama-cpp-python: pip install '.[peers]' (built for this "
+                "machine: docs/evaluation.md gives the command)"
+            ) from error
         if not Path(path).is_file():
             raise FileNotFoundError(f"GGUF file {path!r} does not exist: give --llama-cpp the base's .gguf file.")
         self.llm = Llama(model_path=path, n_ctx=context, n_threads=threads, n_threads_batch=threads, verbose=False)
@@ -369,8 +447,11 @@ class LlamaCpp:
     def answer(self, input_ids: torch.Tensor, limit: int, sampling: Sampling, eos: set[int]) -> Run:
         """Its answer to the prompt `input_ids` (1, T) (mtp's tokens: the file's own vocabulary), from an empty
         cache: the new tokens before an EOS, at most `limit`, and the seconds they took with the prompt's."""
-        settings = dict(temp=0.0) if sampling.greedy else dict(temp=sampling.temperature, top_k=sampling.top_k or 0,
-                                                               top_p=sampling.top_p or 1.0)  # fmt: skip
+        settings = (
+            dict(temp=0.0)
+            if sampling.greedy
+            else dict(temp=sampling.temperature, top_k=sampling.top_k or 0, top_p=sampling.top_p or 1.0)
+        )
         tokens, start = [], time.perf_counter()
         self.llm.reset()  # (no prompt reused from the last answer)
         for token in self.llm.generate(input_ids[0].tolist(), min_p=0.0, repeat_penalty=1.0, **settings):
@@ -394,20 +475,32 @@ def main() -> None:
     if args.seed is not None:
         torch.manual_seed(args.seed)  # plain generate and prompt lookup sample with torch's global generator
     dtype = getattr(torch, args.dtype)
-    decoder = mtp.load(args.drafter, args.device, dtype, tree=args.tree, lookup=lookup_from(args), weights=args.weights,
-                       compile=False if args.batch_size else args.compile)  # batches run eager passes  # fmt: skip
+    decoder = mtp.load(
+        args.drafter,
+        args.device,
+        dtype,
+        tree=args.tree,
+        lookup=lookup_from(args),
+        weights=args.weights,
+        compile=False if args.batch_size else args.compile,
+    )  # batches run eager passes
     trees = args.against_tree or [None] * len(args.against)
-    others = [mtp.load(path, args.device, dtype, tree=tree, weights=args.weights)
-              for path, tree in zip(args.against, trees, strict=True)]  # fmt: skip
+    others = [
+        mtp.load(path, args.device, dtype, tree=tree, weights=args.weights)
+        for path, tree in zip(args.against, trees, strict=True)
+    ]
     questions = chosen_questions(args.questions, args.limit)
     chats = [[{"role": "user", "content": q["turns"][0] if "turns" in q else q["prompt"]}] for q in questions]
     for messages in chats:  # every question fits the context, before any runs
         decoder.check_length(decoder.encode(messages).shape[1], args.max_new_tokens)
     plan = ("paced per prompt, from " if len(decoder.pacer.options(1)) > 1 else "") + describe(decoder.pacer.best(1))
     print(f"mtp decodes with {plan}", file=sys.stderr)
-    settings = {k: v for k, v in vars(args).items() if k != "out"} | {"plan": plan,
-                "threads": torch.get_num_threads(), "device_name": device_name(args.device),
-                "plain_fast": 1 in narrow_counts(decoder.base_model)}  # fmt: skip  (mtp's products differ for one row)
+    settings = {k: v for k, v in vars(args).items() if k != "out"} | {
+        "plan": plan,
+        "threads": torch.get_num_threads(),
+        "device_name": device_name(args.device),
+        "plain_fast": 1 in narrow_counts(decoder.base_model),
+    }  # (mtp's products differ for one row)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.batch_size:
@@ -418,9 +511,10 @@ def main() -> None:
         peer = args.llama_cpp and LlamaCpp(args.llama_cpp, torch.get_num_threads(), min(decoder.context or 4096, 4096))
         contest = Contest(decoder, others, sampling, args.max_new_tokens, settings["plain_fast"], peer)
         contest.warm_up()
-        answers = [fastest_times([contest.answer(question, messages) for _ in range(args.repeat)])
-                   for question, messages in zip(tqdm(questions, desc="benchmark", unit="question"), chats,
-                                                 strict=True)]  # fmt: skip
+        answers = [
+            fastest_times([contest.answer(question, messages) for _ in range(args.repeat)])
+            for question, messages in zip(tqdm(questions, desc="benchmark", unit="question"), chats, strict=True)
+        ]
         categories = dict.fromkeys(answer.category for answer in answers)
         summary = {c: summarise([a for a in answers if a.category == c]) for c in categories}
         summary["overall"] = summarise(answers)

@@ -45,8 +45,13 @@ def drift(heads_path: str, examples: list, prompts: int, max_new_tokens: int, de
             answer = model.generate(input_ids=prompt, **settings)
             with model.disable_adapter():
                 same += torch.equal(answer, model.generate(input_ids=prompt, **settings))
-    return {"agreement": agree / max(positions, 1), "kl": kl / max(positions, 1), "answer_tokens": positions,
-            "identical": same / max(prompts, 1), "prompts": prompts}  # fmt: skip
+    return {
+        "agreement": agree / max(positions, 1),
+        "kl": kl / max(positions, 1),
+        "answer_tokens": positions,
+        "identical": same / max(prompts, 1),
+        "prompts": prompts,
+    }
 
 
 @user_errors

@@ -108,18 +108,24 @@ def to_eagle3(drafter: Drafter, base_model, out: str | Path, speculators: bool =
     config = drafter.config
     check_layout(drafter, "speculators" if speculators else "eagle3")
     if config.adapter:
-        raise ValueError("This drafter decodes with its base model adapted (a LoRA adapter beside it); the engines "
-                         "serve a drafter beside an unchanged base: decode it with mtp.")  # fmt: skip
+        raise ValueError(
+            "This drafter decodes with its base model adapted (a LoRA adapter beside it); the engines "
+            "serve a drafter beside an unchanged base: decode it with mtp."
+        )
     ids, depth = config.feature_layers, base_model.config.get_text_config(decoder=True).num_hidden_layers
     if not (0 < ids[0] and ids[-1] < depth and ids == sorted(set(ids))):
-        raise ValueError(f"feature_layers {ids}: the engines read the inputs of decoder layers 1 .. {depth - 1}, in "
-                         f"increasing order (SGLang counts the output of the layer before; transformers' last hidden "
-                         f"state, {depth}, is after the final norm, which no engine taps): train the drafter on such "
-                         f"layers (EAGLE-3's default: 2, L // 2, L - 3).")  # fmt: skip
+        raise ValueError(
+            f"feature_layers {ids}: the engines read the inputs of decoder layers 1 .. {depth - 1}, in "
+            f"increasing order (SGLang counts the output of the layer before; transformers' last hidden "
+            f"state, {depth}, is after the final norm, which no engine taps): train the drafter on such "
+            f"layers (EAGLE-3's default: 2, L // 2, L - 3)."
+        )
     layer = config.draft_layer
     if layer["hidden_act"] != "silu":
-        raise ValueError(f"The drafter's MLP uses {layer['hidden_act']!r}; the engines' EAGLE-3 layer is a SiLU "
-                         f"Llama layer: decode it with mtp.")  # fmt: skip
+        raise ValueError(
+            f"The drafter's MLP uses {layer['hidden_act']!r}; the engines' EAGLE-3 layer is a SiLU "
+            f"Llama layer: decode it with mtp."
+        )
     rope = dict(layer["rope_parameters"])
     theta = rope.pop("rope_theta")
     draft = drafter.draft_ids
@@ -131,30 +137,62 @@ def to_eagle3(drafter: Drafter, base_model, out: str | Path, speculators: bool =
     if speculators:
         tensors = {name.replace("midlayer.", "layers.0.", 1): tensor for name, tensor in tensors.items()}
     dtype = next(iter(tensors.values())).dtype
-    fields = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-              "hidden_act", "rms_norm_eps", "max_position_embeddings")  # fmt: skip
-    llama = {"model_type": "llama", **{name: layer[name] for name in fields}, "rope_theta": theta,
-             "rope_scaling": None if rope["rope_type"] == "default" else rope, "num_hidden_layers": 1,
-             "vocab_size": config.vocab_size,
-             "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
-             "torch_dtype": str(dtype).removeprefix("torch.")}  # fmt: skip
-    shared = {"draft_vocab_size": len(draft), "target_hidden_size": config.hidden_size, "norm_before_residual": False,
-              "eagle_aux_hidden_state_layer_ids": list(ids), "num_aux_hidden_states": len(ids)}  # fmt: skip
+    fields = (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_act",
+        "rms_norm_eps",
+        "max_position_embeddings",
+    )
+    llama = {
+        "model_type": "llama",
+        **{name: layer[name] for name in fields},
+        "rope_theta": theta,
+        "rope_scaling": None if rope["rope_type"] == "default" else rope,
+        "num_hidden_layers": 1,
+        "vocab_size": config.vocab_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    shared = {
+        "draft_vocab_size": len(draft),
+        "target_hidden_size": config.hidden_size,
+        "norm_before_residual": False,
+        "eagle_aux_hidden_state_layer_ids": list(ids),
+        "num_aux_hidden_states": len(ids),
+    }
     if speculators:
         depth = max((len(path) for path in config.tree or []), default=0) or config.num_heads  # the sized tree's
         depth = DynamicTree.parse(config.dynamic_tree).deepest if config.dynamic_tree else depth
         architectures = base_model.config.architectures or [type(base_model).__name__]
         verifier = {"name_or_path": config.base_model, "architectures": architectures}
         exported = {
-            "speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "architectures": ["Eagle3Speculator"],
             "speculators_config": {
-                "algorithm": "eagle3", "default_proposal_method": "greedy", "verifier": verifier,
-                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": depth, "verifier_accept_k": 1,
-                                      "accept_tolerance": 0.0}],
+                "algorithm": "eagle3",
+                "default_proposal_method": "greedy",
+                "verifier": verifier,
+                "proposal_methods": [
+                    {
+                        "proposal_type": "greedy",
+                        "speculative_tokens": depth,
+                        "verifier_accept_k": 1,
+                        "accept_tolerance": 0.0,
+                    }
+                ],
             },
-            "transformer_layer_config": llama, **shared,
-            "norm_before_fc": False, "fc_norm": False, "norm_output": False,
-        }  # fmt: skip
+            "transformer_layer_config": llama,
+            **shared,
+            "norm_before_fc": False,
+            "fc_norm": False,
+            "norm_output": False,
+        }
     else:
         sglang = {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids]}  # its count
         exported = {"architectures": ["LlamaForCausalLMEagle3"], **llama, **shared, "eagle_config": sglang}

@@ -47,7 +47,7 @@ def held_out_roots(model, heads: Drafter, paths: list[Path], examples: list, loo
         with drafting():  # the guesses as decoding drafts them
             guesses = heads.path_guesses(
                 out.last_hidden_state[0], features, ids.to(model.device), model.get_output_embeddings(), embed, top_k
-            ).cpu()  # (K, T, k) fmt: skip
+            ).cpu()  # (K, T, k)
         for p in roots:
             path, order = (), []
             for d in range(min(num_heads, left[p])):  # head d guesses the token d + 1 after the root
@@ -128,8 +128,9 @@ def decode(roots: dict[str, torch.Tensor], size: int, lengths: list[int], heads:
     return len(steps), from_tree, accepted - from_tree, nodes[visited]
 
 
-def simulate(roots: dict[str, torch.Tensor], size: int, lengths: list[int], costs: list[float],
-             heads: torch.Tensor | None = None):  # fmt: skip
+def simulate(
+    roots: dict[str, torch.Tensor], size: int, lengths: list[int], costs: list[float], heads: torch.Tensor | None = None
+):
     """(tokens, steps, seconds) of decoding the answers of `roots` as `decode` does, a step of n nodes costing
     costs[n - 1]."""
     tokens, _, _, nodes = decode(roots, size, lengths, heads)
@@ -141,12 +142,19 @@ def acceptance(roots: dict[str, torch.Tensor], size: int, lengths: list[int], de
     (see `decode`): the pacing candidate `mtp.load` weighs against this machine's step costs."""
     _, from_tree, from_lookup, nodes = decode(roots, size, lengths)
     shares = torch.bincount(nodes - size).double() / len(nodes)  # (E,) steps with size + e nodes
-    return Candidate(size, tuple(lengths) if any(lengths) else (), float(from_tree.double().mean()),
-                     float(from_lookup.double().mean()), tuple(shares.tolist()), depth)  # fmt: skip
+    return Candidate(
+        size,
+        tuple(lengths) if any(lengths) else (),
+        float(from_tree.double().mean()),
+        float(from_lookup.double().mean()),
+        tuple(shares.tolist()),
+        depth,
+    )
 
 
-def best_lookup(roots: dict[str, torch.Tensor], size: int, costs: list[float], heads=None,
-                most: int | None = None) -> tuple:  # fmt: skip
+def best_lookup(
+    roots: dict[str, torch.Tensor], size: int, costs: list[float], heads=None, most: int | None = None
+) -> tuple:
     """The lookup lengths (one per match length, each from LOOKUP_LENGTHS, at most `most`) with the most tokens per
     second beside the `size`-node tree, by coordinate ascent from none, and their `simulate` figures (`heads`: as
     there)."""

@@ -47,7 +47,7 @@ from mtp.tools.simulate import (
     grown_accepts,
     held_out_roots,
     simulate,
-    spread,  # fmt: skip
+    spread,
 )
 from mtp.training.data import add_held_out_arguments, held_out
 
@@ -74,9 +74,16 @@ def measure_drafting(model, tokenizer, heads: Drafter, plans: list, context: int
     return seconds
 
 
-def expected_speedups(heads_path: str, device: str = "cpu", dtype: torch.dtype = torch.float32, max_nodes: int = 64,
-                      context: int = 256, remeasure: bool = False, held_out: list | None = None,
-                      weights: str = "float") -> dict:  # fmt: skip
+def expected_speedups(
+    heads_path: str,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    max_nodes: int = 64,
+    context: int = 256,
+    remeasure: bool = False,
+    held_out: list | None = None,
+    weights: str = "float",
+) -> dict:
     """Per tree size 1..max_nodes: expected tau, step seconds on this device (timed once, then cached in
     `$MTP_CACHE/step_seconds.json`) and expected speedup; `chosen` is the size with the highest speedup. With
     `held_out` (answers of the base model to prompts the heads did not train on, as (ids, mask, ...)), decoding
@@ -99,14 +106,24 @@ def expected_speedups(heads_path: str, device: str = "cpu", dtype: torch.dtype =
 
     key = machine_key(model, heads, compiled, context)
     name = f"{key} | sizes {timed_sizes(paths, 1)}"
-    timed_costs = measured("step_seconds.json", name, lambda: measure_steps(model, tokenizer, heads, paths, context,
-                           compiled=compiled), again=remeasure)  # fmt: skip
+    timed_costs = measured(
+        "step_seconds.json",
+        name,
+        lambda: measure_steps(model, tokenizer, heads, paths, context, compiled=compiled),
+        again=remeasure,
+    )
     costs = step_costs(timed_costs, len(expected) + max(LOOKUP_LENGTHS))
     speedups = [tau * costs[0] / cost for tau, cost in zip(expected, costs, strict=False)]
-    table = {"size": list(range(1, len(expected) + 1)), "expected_tau": expected,
-             "step_seconds": costs[: len(expected)], "expected_speedup": speedups,
-             "chosen": max(range(len(speedups)), key=speedups.__getitem__) + 1,
-             "paths": paths, "device": key, "chosen_lookup": []}  # fmt: skip
+    table = {
+        "size": list(range(1, len(expected) + 1)),
+        "expected_tau": expected,
+        "step_seconds": costs[: len(expected)],
+        "expected_speedup": speedups,
+        "chosen": max(range(len(speedups)), key=speedups.__getitem__) + 1,
+        "paths": paths,
+        "device": key,
+        "chosen_lookup": [],
+    }
     if held_out is None:
         return table
     roots = held_out_roots(model, heads, paths, held_out, Lookup((max(LOOKUP_LENGTHS),) * MAX_NGRAM))
@@ -119,8 +136,10 @@ def expected_speedups(heads_path: str, device: str = "cpu", dtype: torch.dtype =
     best = max(table["lookup"], key=lambda row: row["speedup"])
     table["chosen"] = table["lookup"].index(best) + 1
     table["chosen_lookup"] = best["lengths"] if any(best["lengths"]) else []
-    table["roots"] = {"count": len(roots["match"]), "matched": [float((roots["match"] == n).float().mean())
-                      for n in range(1, MAX_NGRAM + 1)]}  # fmt: skip
+    table["roots"] = {
+        "count": len(roots["match"]),
+        "matched": [float((roots["match"] == n).float().mean()) for n in range(1, MAX_NGRAM + 1)],
+    }
     table["acceptance"] = []  # the candidates mtp.load weighs on the machine it runs on: per timed size, no
     for size in timed_sizes(paths, 1):  # lookup, the lookup that paid most here, and the longest, the longest also
         depth = max(map(len, paths[: size - 1]), default=0)  # as the compiled pass verifies it (`room`)
@@ -135,8 +154,9 @@ def expected_speedups(heads_path: str, device: str = "cpu", dtype: torch.dtype =
     return table
 
 
-def dynamic_trees(model, tokenizer, heads: Drafter, paths: list[Path], examples: list, costs: list[float],
-                  context: int) -> list[dict]:  # fmt: skip
+def dynamic_trees(
+    model, tokenizer, heads: Drafter, paths: list[Path], examples: list, costs: list[float], context: int
+) -> list[dict]:
     """Per timed size n > 1: the dynamic tree of n nodes (of DYNAMIC_DEPTHS x DYNAMIC_TOP_K) with the most tokens
     per second on DYNAMIC_ANSWERS of `examples` (`spread`), with and without the best lookup, beside the static
     n-node tree on the same answers. A dynamic step costs the static one's step (`costs`) with the static tree's
@@ -157,16 +177,30 @@ def dynamic_trees(model, tokenizer, heads: Drafter, paths: list[Path], examples:
             own = [cost + extra for cost in costs]
             tokens, steps, _ = simulate(roots, size, [], own, heads=accepts[:, size - 1])
             lengths, (with_tokens, with_steps, with_seconds) = best_lookup(roots, size, own, heads=accepts[:, size - 1])
-            found[size].append({"plan": str(DynamicTree(size, plan.depth, plan.top_k)), "tau": tokens / steps,
-                                "lookup_tau": with_tokens / with_steps, "lengths": lengths if any(lengths) else [],
-                                "speedup": with_tokens * costs[0] / with_seconds, "drafting": seconds})  # fmt: skip
+            found[size].append(
+                {
+                    "plan": str(DynamicTree(size, plan.depth, plan.top_k)),
+                    "tau": tokens / steps,
+                    "lookup_tau": with_tokens / with_steps,
+                    "lengths": lengths if any(lengths) else [],
+                    "speedup": with_tokens * costs[0] / with_seconds,
+                    "drafting": seconds,
+                }
+            )
     rows = []
     for size in sizes:
         row = max(found[size], key=lambda trial: trial["speedup"])
         tokens, steps, _ = simulate(roots, size, [], costs)
         _, (with_tokens, with_steps, with_seconds) = best_lookup(roots, size, costs)
-        rows.append(row | {"size": size, "static_tau": tokens / steps, "static_lookup_tau": with_tokens / with_steps,
-                           "static_speedup": with_tokens * costs[0] / with_seconds})  # fmt: skip
+        rows.append(
+            row
+            | {
+                "size": size,
+                "static_tau": tokens / steps,
+                "static_lookup_tau": with_tokens / with_steps,
+                "static_speedup": with_tokens * costs[0] / with_seconds,
+            }
+        )
     return rows
 
 
@@ -201,12 +235,21 @@ def main() -> None:
     args = parser.parse_args()
     base_model = Drafter.from_pretrained(args.drafter).config.base_model
     examples = held_out(args, base_model).val_examples if args.data else None
-    table = size_tree(args.drafter, device=args.device, dtype=getattr(torch, args.dtype), weights=args.weights,
-                      max_nodes=args.max_nodes, context=args.context, remeasure=args.remeasure,
-                      held_out=examples)  # fmt: skip
+    table = size_tree(
+        args.drafter,
+        device=args.device,
+        dtype=getattr(torch, args.dtype),
+        weights=args.weights,
+        max_nodes=args.max_nodes,
+        context=args.context,
+        remeasure=args.remeasure,
+        held_out=examples,
+    )
     simulated = "measured" in table
-    print(f"{table['device']}\n  size  expected tau  step ms  expected speedup"
-          + ("  held-out tau / speedup  with lookup: tau / speedup, lengths" if simulated else ""))  # fmt: skip
+    print(
+        f"{table['device']}\n  size  expected tau  step ms  expected speedup"
+        + ("  held-out tau / speedup  with lookup: tau / speedup, lengths" if simulated else "")
+    )
     columns = zip(*(table[k] for k in ("size", "expected_tau", "step_seconds", "expected_speedup")), strict=True)
     for n, tau, cost, speedup in columns:
         chosen = "  <- chosen" if n == table["chosen"] else ""
@@ -224,12 +267,16 @@ def main() -> None:
         roots = table["roots"]
         shares = ", ".join(f"{n} tokens {share:.1%}" for n, share in enumerate(roots["matched"], 1))
         print(f"{roots['count']} held-out answer tokens as roots; lookup's longest match: {shares}")
-        print(f"Dynamic trees on {DYNAMIC_ANSWERS} distinct held-out answers spread over them, against the static "
-              "tree of as many nodes there (tau alone / with lookup, speedup with lookup):")  # fmt: skip
+        print(
+            f"Dynamic trees on {DYNAMIC_ANSWERS} distinct held-out answers spread over them, against the static "
+            "tree of as many nodes there (tau alone / with lookup, speedup with lookup):"
+        )
         for row in table["dynamic"]:
-            print(f"  {row['size']:4d}  {row['plan']:>15}  tau {row['tau']:.2f} / {row['lookup_tau']:.2f}, "
-                  f"{row['speedup']:.2f}x; static tau {row['static_tau']:.2f} / {row['static_lookup_tau']:.2f}, "
-                  f"{row['static_speedup']:.2f}x")  # fmt: skip
+            print(
+                f"  {row['size']:4d}  {row['plan']:>15}  tau {row['tau']:.2f} / {row['lookup_tau']:.2f}, "
+                f"{row['speedup']:.2f}x; static tau {row['static_tau']:.2f} / {row['static_lookup_tau']:.2f}, "
+                f"{row['static_speedup']:.2f}x"
+            )
     lookup = table["chosen_lookup"] or "no"
     saved = f" and what {len(table['acceptance'])} candidates accept" if simulated else ""
     print(f"Saved the {table['chosen']}-node tree, {lookup} lookup tokens{saved} to {args.drafter}/config.json")

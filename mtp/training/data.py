@@ -58,8 +58,9 @@ def prompt_of(example: list[dict] | str) -> str:
     return json.dumps(example[:first])
 
 
-def collate(examples: list[tuple[torch.Tensor, torch.Tensor]], pad_id: int = 0,
-            features: Features | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+def collate(
+    examples: list[tuple[torch.Tensor, torch.Tensor]], pad_id: int = 0, features: Features | None = None
+) -> dict[str, torch.Tensor]:
     """Right-pad a batch of (ids, loss mask): input_ids, attention_mask, loss_mask (B, T); with `features`, also the
     examples' hidden states read from them, `features` (B, T, W), zero past each example's end."""
     length = max(len(ids) for ids, _ in examples)
@@ -189,13 +190,21 @@ class DrafterDataModule(L.LightningDataModule):
         if trainer:  # what every node writes and every node reads: distilled answers, features, checkpoints
             features = trainer.lightning_module.hparams.get("features")
             checkpoints = [callback.dirpath for callback in trainer.checkpoint_callbacks if callback.dirpath]
-            require_shared(trainer, [*([self.data] if self.distill else []), *([features] if features else []),
-                                     *checkpoints])  # fmt: skip
+            require_shared(
+                trainer, [*([self.data] if self.distill else []), *([features] if features else []), *checkpoints]
+            )
         if self.distill is not None:  # every process answers its share on its own device, then all read every shard
             rank, world_size = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
             device = trainer.strategy.root_device if trainer else torch.device("cpu")
-            run_distill(self.distill, self.base_model, self.data, rank, world_size, device,
-                        compute_dtype(trainer.precision if trainer else "32-true"))  # fmt: skip
+            run_distill(
+                self.distill,
+                self.base_model,
+                self.data,
+                rank,
+                world_size,
+                device,
+                compute_dtype(trainer.precision if trainer else "32-true"),
+            )
             if trainer:
                 trainer.strategy.barrier("distilled")
         tokenizer = load_tokenizer(self.base_model)
@@ -307,7 +316,13 @@ def add_held_out_arguments(parser, required: bool = True) -> None:
 
 def held_out(args, base_model: str) -> DrafterDataModule:
     """The data module of `add_held_out_arguments`' options, set up: its `val_examples` are the held-out answers."""
-    data = DrafterDataModule(args.data, base_model, max_length=args.max_length, val_fraction=args.val_fraction,
-                           val_data=args.val_data, seed=args.seed)  # fmt: skip
+    data = DrafterDataModule(
+        args.data,
+        base_model,
+        max_length=args.max_length,
+        val_fraction=args.val_fraction,
+        val_data=args.val_data,
+        seed=args.seed,
+    )
     data.setup("validate")
     return data

@@ -97,8 +97,15 @@ def read_done(folder: Path, shard: Path, world_size: int) -> set[int]:
     return done
 
 
-def run_distill(distill: Distill, base_model: str, out: str | Path, rank: int = 0, world_size: int = 1,
-                device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> None:  # fmt: skip
+def run_distill(
+    distill: Distill,
+    base_model: str,
+    out: str | Path,
+    rank: int = 0,
+    world_size: int = 1,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> None:
     """Answer this process's share of the prompts that no shard of the folder `out` answered yet, with the base
     model on `device` in `dtype`, appending each answer as it ends to the open part of the shard `rank-NNNNN/`
     (JSON lines of `{index, messages}`) and compressing each part once it holds `part_size` answers. `rank` of

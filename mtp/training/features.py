@@ -29,12 +29,14 @@ def key(ids: torch.Tensor) -> str:
     return hashlib.sha256(ids.to("cpu", torch.int64).numpy().tobytes()).hexdigest()[:32]
 
 
-def backbone(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-             layers: list[int]) -> torch.Tensor:  # fmt: skip
+def backbone(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: list[int]
+) -> torch.Tensor:
     """The base model's hidden states at `layers` (0: the input embeddings, i: decoder layer i - 1's output), then
     its last ones (after the final norm): (B, T, (len(layers) + 1) H)."""
-    out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                              output_hidden_states=bool(layers))  # fmt: skip
+    out = model.get_decoder()(
+        input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=bool(layers)
+    )
     return torch.cat([*(out.hidden_states[i] for i in layers), out.last_hidden_state], -1)
 
 
@@ -55,8 +57,10 @@ class Features:
                 differ = sorted(k for k in manifest.keys() | written.keys() if manifest.get(k) != written.get(k))
                 was = ", ".join(f"{k} {written.get(k)!r}" for k in differ)
                 needed = ", ".join(f"{k} {manifest.get(k)!r}" for k in differ)
-                raise ValueError(f"The features in {str(self.folder)!r} were written for {was}; this run needs "
-                                 f"{needed}: give another folder (model.features) or delete this one.")  # fmt: skip
+                raise ValueError(
+                    f"The features in {str(self.folder)!r} were written for {was}; this run needs "
+                    f"{needed}: give another folder (model.features) or delete this one."
+                )
         self.width = manifest["width"]
         self.row_bytes = self.width * DTYPE.itemsize
         self.where: dict[str, tuple[Path, int, int]] = {}  # key -> (part, its first row, rows)
@@ -78,8 +82,10 @@ class Features:
     def __getitem__(self, example: str) -> torch.Tensor:
         """The states (T, width) of the example with this key."""
         if example not in self.where:
-            raise KeyError(f"No hidden states for this example in {str(self.folder)!r}: run training with the same "
-                           "data once more to write them.")  # fmt: skip
+            raise KeyError(
+                f"No hidden states for this example in {str(self.folder)!r}: run training with the same "
+                "data once more to write them."
+            )
         part, first, length = self.where[example]
         if part not in self._parts:
             self._parts[part] = safe_open(part, framework="pt")
@@ -93,9 +99,17 @@ def manifest(identity: dict, layers: list[int]) -> dict:
     return {**identity, "layers": list(layers), "width": width, "dtype": str(DTYPE).removeprefix("torch.")}
 
 
-def write_features(folder: str | Path, base_model: str, wanted: dict, examples: list[torch.Tensor], rank: int = 0,
-                   world_size: int = 1, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                   batch_size: int = 8) -> None:  # fmt: skip
+def write_features(
+    folder: str | Path,
+    base_model: str,
+    wanted: dict,
+    examples: list[torch.Tensor],
+    rank: int = 0,
+    world_size: int = 1,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    batch_size: int = 8,
+) -> None:
     """Write this process's share of the examples (token ids, (T,) each) whose states no shard of `folder` holds
     yet: the base model on `device` in `dtype` runs over them `batch_size` at a time, and its states go, in bfloat16,
     to parts of the shard `rank-NNNNN/`, each written whole (a killed run loses at most the part it was filling).
@@ -109,9 +123,12 @@ def write_features(folder: str | Path, base_model: str, wanted: dict, examples: 
     todo = [k for k in ordered[rank::world_size] if k not in done]  # shares of all: the same whatever others wrote
     if rank == 0:
         tokens, per_token = sum(len(unique[k]) for k in missing), done.row_bytes
-        print(f"Features: {done.width} values a token in {wanted['dtype']}, {per_token:,} bytes a token; "
-              f"{len(missing):,} of {len(unique):,} examples to write, {tokens:,} tokens, "
-              f"{tokens * per_token / 1e9:.3f} GB, over {world_size} process(es), to {folder}", flush=True)  # fmt: skip
+        print(
+            f"Features: {done.width} values a token in {wanted['dtype']}, {per_token:,} bytes a token; "
+            f"{len(missing):,} of {len(unique):,} examples to write, {tokens:,} tokens, "
+            f"{tokens * per_token / 1e9:.3f} GB, over {world_size} process(es), to {folder}",
+            flush=True,
+        )
     if not todo:
         return
     folder.mkdir(parents=True, exist_ok=True)

@@ -54,8 +54,13 @@ def with_adapters(model: nn.Module, lora: Lora) -> nn.Module:
             "or null for every layer."
         )
     layers = None if lora.last_layers is None else list(range(depth - lora.last_layers, depth))
-    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
-                        layers_to_transform=layers)  # fmt: skip
+    config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        layers_to_transform=layers,
+    )
     return get_peft_model(model, config)
 
 

@@ -67,5 +67,7 @@ def estimate(module, batch_size: int, length: int) -> dict[str, int]:
 def memory_line(found: dict[str, int], batch_size: int, length: int) -> str:
     """One line of `estimate`'s figures."""
     gb = {key: f"{value / 1e9:.2f} GB" if value >= 1e9 else f"{value / 1e6:.1f} MB" for key, value in found.items()}
-    return (f"Memory per device (estimate): {gb['total']}: base {gb['base']}, drafter {gb['drafter']} (weights, "
-            f"gradients, AdamW state), activations {gb['activations']} at {batch_size} x {length} tokens")  # fmt: skip
+    return (
+        f"Memory per device (estimate): {gb['total']}: base {gb['base']}, drafter {gb['drafter']} (weights, "
+        f"gradients, AdamW state), activations {gb['activations']} at {batch_size} x {length} tokens"
+    )

@@ -51,9 +51,13 @@ def build_drafter(model: nn.Module, tokenizer, identity: dict, drafting: Draftin
             f"0 (the input embeddings) to {depth} (the last layer's output)."
         )
     config = DrafterConfig(
-        num_heads=drafting.num_heads, num_layers=drafting.num_layers, lm_head=drafting.lm_head,
-        head_type=drafting.head_type, feature_layers=layers or [], **identity,
-    )  # fmt: skip
+        num_heads=drafting.num_heads,
+        num_layers=drafting.num_layers,
+        lm_head=drafting.lm_head,
+        head_type=drafting.head_type,
+        feature_layers=layers or [],
+        **identity,
+    )
     drafter = Drafter.kinds[config.head_type].new(config, model).float()
     if drafting.init is not None:
         start = Drafter.from_pretrained(drafting.init)
@@ -103,8 +107,10 @@ class DrafterModule(L.LightningModule):
         """
         super().__init__()
         # from a checkpoint's hyperparameters, where they are plain values (so that checkpoints load weights_only)
-        drafter, loss, optim = (kind(**value) if isinstance(value, dict) else value
-                                for kind, value in ((Drafting, drafter), (Loss, loss), (Optim, optim)))  # fmt: skip
+        drafter, loss, optim = (
+            kind(**value) if isinstance(value, dict) else value
+            for kind, value in ((Drafting, drafter), (Loss, loss), (Optim, optim))
+        )
         lora = Lora(**lora) if isinstance(lora, dict) else lora
         self.save_hyperparameters(ignore=["drafter", "loss", "optim", "lora"])
         for name, value in (("drafter", drafter), ("loss", loss), ("optim", optim), ("lora", lora)):
@@ -116,8 +122,9 @@ class DrafterModule(L.LightningModule):
             )
         self.drafting, self.loss, self.optim, self.lora = drafter, loss, optim, lora
         self.weights = loss.head_weights(drafter.num_heads)
-        self.base_model, tokenizer = load_base(base_model, dtype=compute_dtype(precision), fast=False,
-                                               layers=features is None)  # fmt: skip
+        self.base_model, tokenizer = load_base(
+            base_model, dtype=compute_dtype(precision), fast=False, layers=features is None
+        )
         self.base_model.requires_grad_(False)
         self.identity = base_identity(base_model, self.base_model, tokenizer)
         self.drafter = build_drafter(self.base_model, tokenizer, self.identity, drafter)
@@ -157,8 +164,10 @@ class DrafterModule(L.LightningModule):
             with torch.no_grad():
                 return self.backbone(batch)
         if "features" not in batch:
-            raise ValueError("model.features is set, but the batches carry no hidden states: train with "
-                             "DrafterDataModule, which reads them from the folder.")  # fmt: skip
+            raise ValueError(
+                "model.features is set, but the batches carry no hidden states: train with "
+                "DrafterDataModule, which reads them from the folder."
+            )
         return batch["features"].to(self.base_model.dtype)
 
     def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
@@ -202,8 +211,9 @@ class DrafterModule(L.LightningModule):
                 log(f"{stage}/head{k}_top{top}", metric, prog_bar=top == 1 and stage == "val", sync_dist=False)
         return loss
 
-    def heads_loss(self, outputs: torch.Tensor, before: torch.Tensor | None,
-                   targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    def heads_loss(
+        self, outputs: torch.Tensor, before: torch.Tensor | None, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The weighted loss of the drafter's states `outputs` (K, N, H) for `targets` (K, N) (with a teacher: the
         base's distribution from its states `before` (K, N, H)), each head's loss (K,), and its hits (K, N, RANKS),
         over chunks of positions whose logits are computed again in the backward pass rather than kept."""
@@ -217,13 +227,22 @@ class DrafterModule(L.LightningModule):
         if count > chunk:  # each chunk's logits recomputed in the backward pass instead of kept
             score = partial(checkpoint, score, use_reentrant=False)
         pieces = [slice(start, start + chunk) for start in range(0, max(count, 1), chunk)]
-        found = [score(outputs[:, at], None if rows is None else before[:, at], targets[:, at], scored[:, at])
-                 for at in pieces]  # fmt: skip  # per chunk: summed losses (K,), hits (K, n, RANKS)
+        found = [
+            score(outputs[:, at], None if rows is None else before[:, at], targets[:, at], scored[:, at])
+            for at in pieces
+        ]  # per chunk: summed losses (K,), hits (K, n, RANKS)
         loss, per_head = weighted(sum(sums for sums, _ in found), targets if rows is not None else scored, self.weights)
         return loss, per_head, torch.cat([chunk_hits for _, chunk_hits in found], 1)
 
-    def _scored(self, lm_head: nn.Module, rows: torch.Tensor | None, states: torch.Tensor, before: torch.Tensor | None,
-                targets: torch.Tensor, scored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def _scored(
+        self,
+        lm_head: nn.Module,
+        rows: torch.Tensor | None,
+        states: torch.Tensor,
+        before: torch.Tensor | None,
+        targets: torch.Tensor,
+        scored: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The loss of the drafter's states (K, n, H) at n positions: each head's summed loss (K,), and hits (K, n,
         RANKS), head k's rank-r guess at position n is the target. With `rows` (the lm_head's rows of the
         vocabulary the drafter ranks), the teacher's distribution from the base's hidden states `before` (K, n, H)
@@ -259,9 +278,17 @@ class DrafterModule(L.LightningModule):
             data, trainer = self.trainer.datamodule, self.trainer
             examples = [ids for ids, _ in [*data.train_examples, *data.val_examples]]
             wanted = manifest(self.identity, self.drafter.config.feature_layers)
-            write_features(self.hparams.features, self.hparams.base_model, wanted, examples, trainer.global_rank,
-                           trainer.world_size, trainer.strategy.root_device, compute_dtype(self.hparams.precision),
-                           data.batch_size)  # fmt: skip
+            write_features(
+                self.hparams.features,
+                self.hparams.base_model,
+                wanted,
+                examples,
+                trainer.global_rank,
+                trainer.world_size,
+                trainer.strategy.root_device,
+                compute_dtype(self.hparams.precision),
+                data.batch_size,
+            )
             trainer.strategy.barrier("features written")
             self.features = Features(self.hparams.features, wanted)
             data.read_features(self.features)  # the batches carry the states, read ahead by the loader's worker
