@@ -30,11 +30,8 @@ def version(tensor: torch.Tensor) -> int:
 
 
 def int8_rows_product(x: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x (M, K) bfloat16 times int8 `rows` (N, K), each scaled by `scales` (N,): ATen's CPU kernel for it, else the
-    same product in float (a torch without the kernel)."""
-    if hasattr(torch.ops.aten, "_weight_int8pack_mm"):
-        return torch._weight_int8pack_mm(x, rows, scales)
-    return ((x.float() @ rows.float().T) * scales.float()).to(x.dtype)
+    """x (M, K) bfloat16 times int8 `rows` (N, K), each scaled by `scales` (N,): ATen's CPU kernel for it."""
+    return torch._weight_int8pack_mm(x, rows, scales)
 
 
 def cxx11_abi() -> int:

@@ -11,6 +11,7 @@ keeps the usual path. The choice is cached per machine and set of weight shapes 
 """
 
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -71,10 +72,11 @@ def quantized_product(x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor]) 
 
 def int8_product(owner: object, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """x W^T (+ bias) from W's `quantized_rows`, quantized on first use and kept on `owner` (a module: one weight
-    each) until the weight changes."""
+    each) until the weight changes: another tensor (even one at the same address), or this one changed in place."""
     key = (weight.data_ptr(), version(weight), weight.dtype)
-    if getattr(owner, "_int8_key", None) != key:
-        owner._int8_key, owner._int8 = key, quantized_rows(weight)
+    kept = getattr(owner, "_int8_key", None)
+    if kept is None or kept[0]() is not weight or kept[1:] != key:
+        owner._int8_key, owner._int8 = (weakref.ref(weight), *key), quantized_rows(weight)
     out = quantized_product(x, owner._int8)
     return out if bias is None else out + bias
 

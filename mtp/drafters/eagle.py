@@ -306,7 +306,6 @@ class Eagle(Drafter, kind="eagle"):
         key = (weight.data_ptr(), version(weight), weight.device, weight.dtype, self.d2t.data_ptr())
         if getattr(self, "_rows_key", None) != key:
             self._rows_key, self._rows_cache = key, weight[self.draft_ids].detach()
-            self._int8_key = None  # (`int8_product`'s rows of the rows before, which a new tensor may not renew)
         return self._rows_cache
 
     def teacher_forced(self, hidden, features, input_ids, keep, embed) -> torch.Tensor:
