@@ -18,7 +18,7 @@ from mtp.decoding.tree import grow_tree
 from mtp.drafters.contract import Drafter
 from mtp.training.data import DrafterDataModule, add_held_out_arguments, held_out
 from mtp.training.module import DrafterModule
-from mtp.training.settings import Drafting
+from mtp.training.settings import DrafterSettings
 
 SIZES = (4, 8, 16, 32, 64)
 
@@ -30,7 +30,7 @@ def rank_accuracy(heads_path: str, data: DrafterDataModule, depths: int) -> torc
     config = heads.config
     if heads.max_depth is None:
         config.num_heads = depths
-    drafting = Drafting(
+    drafting = DrafterSettings(
         config.head_type,
         config.num_heads,
         config.num_layers,

@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from mtp.training.memory import estimate, memory_line
 from mtp.training.module import build_drafter
-from mtp.training.settings import Drafting, Loss
+from mtp.training.settings import DrafterSettings, Loss
 
 BASES = {
     "Qwen/Qwen2.5-7B-Instruct": "qwen2.5-7b-instruct.json",
@@ -45,7 +45,7 @@ def base_of(name: str) -> torch.nn.Module:
 def recipe_estimate(path: Path) -> str:
     recipe = yaml.safe_load(path.read_text())
     model, data = recipe["model"], recipe["data"]
-    drafting, loss = Drafting(**model["drafter"]), Loss(**model.get("loss", {}))
+    drafting, loss = DrafterSettings(**model["drafter"]), Loss(**model.get("loss", {}))
     base = base_of(model["base_model"])
     vocab_size, hidden_size = base.get_output_embeddings().weight.shape
     identity = dict(

@@ -19,7 +19,7 @@ from mtp.base import DEFAULT_BASE
 from mtp.training.data import DrafterDataModule
 from mtp.training.memory import estimate, memory_line
 from mtp.training.module import DrafterModule
-from mtp.training.settings import Drafting, Loss
+from mtp.training.settings import DrafterSettings, Loss
 
 
 class Longest(DrafterDataModule):
@@ -85,7 +85,7 @@ def main() -> None:
     cuda = args.device.startswith("cuda")
     before = resident()
     with tempfile.TemporaryDirectory() as folder:
-        drafting = Drafting(args.head_type, args.num_heads, draft_vocab=args.draft_vocab)
+        drafting = DrafterSettings(args.head_type, args.num_heads, draft_vocab=args.draft_vocab)
         features = folder if args.features else None
         module = DrafterModule(
             args.base_model, drafting, Loss(teacher=True), features=features, precision=args.precision

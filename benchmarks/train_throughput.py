@@ -21,7 +21,7 @@ from train_memory import resident  # beside this script
 from mtp.base import DEFAULT_BASE
 from mtp.training.data import DrafterDataModule
 from mtp.training.module import DrafterModule
-from mtp.training.settings import Drafting, Loss
+from mtp.training.settings import DrafterSettings, Loss
 
 
 class StepTimer(Callback):
@@ -65,7 +65,7 @@ def fit(args, count: int, features: str | None) -> tuple[float, float, int]:
         max_length=args.max_length,
         val_fraction=0,
     )
-    drafting = Drafting(args.head_type, args.num_heads, draft_vocab=args.draft_vocab)
+    drafting = DrafterSettings(args.head_type, args.num_heads, draft_vocab=args.draft_vocab)
     module = DrafterModule(args.base_model, drafting, Loss(teacher=True), features=features)
     timer, setup_s = StepTimer(), []
 

@@ -162,8 +162,8 @@ def _unpacked_linears() -> None:
 
 def _templates_parsed_once() -> None:
     """Let inductor parse each of its C++ kernel templates once in the process, not once per product rendered: it
-    parses the same few Jinja sources again for each of the 211 products of SmolLM2's pass, twice (22 of the 97 s that
-    one node count's package took to compile on the 2-core Zen 4 EPYC). A parsed template renders any options."""
+    parses the same few Jinja sources again for each of the 211 products of SmolLM2's pass, twice (about a fifth of a
+    package's compile time). A parsed template renders any options."""
     from torch._inductor.codegen.common import KernelTemplate
 
     parse = KernelTemplate._template_from_string
@@ -226,11 +226,10 @@ def _accumulators_in_registers() -> None:
     """Inductor's C++ micro-kernel for products accumulated in float, in its common case, as plain loops (above), for
     the process. GCC 12 compiles the template's form (generic lambdas unrolled over arrays of vectors) into a store of
     every accumulator to the stack at each step along K, 24 stores for the 24 multiply-adds of an 8-row block: that held
-    the C++ templates to about 70 GFLOP/s on the 2-core Zen 4 EPYC, where MKL computes 180, and an 8-node pass of
-    SmolLM2 to 1.7 one-node passes. As loops GCC keeps the accumulators in registers: SmolLM2's products over 8 rows
-    took 16-18 ms against 31-32 (docs/reference-runs.md). Each step also fetches B's row 48 steps ahead: a block of
+    the C++ templates to well under MKL's speed. As loops GCC keeps the accumulators in registers (what that bought:
+    docs/reference-runs.md). Each step also fetches B's row 48 steps ahead: a block of
     4 rows computes 4 multiply-adds per weight it streams from memory, and without the prefetch the pass over 4 nodes
-    cost 1.3-1.5 one-node passes on the AVX2 EPYC, with it 1.02-1.07. Left as it is where this torch's template
+    costs well over a one-node pass where it should cost about one. Left as it is where this torch's template
     differs."""
     import torch._inductor.lowering  # noqa: F401  (imports inductor's kernels in the order they import each other)
     from torch._inductor.codegen.cpp_micro_gemm import CppMicroGemmFP32Vec as Kernel
@@ -244,8 +243,8 @@ def _eight_rows_at_once() -> None:
     """On AVX2, a float32 product of 8 rows (or a multiple of 8) takes inductor's micro-kernel of 8 rows by 8 columns,
     for the process. Inductor prefers 4 rows by 24 columns (more accumulators): it multiplies 8 rows as two blocks
     one after the other, the first streaming each block of weights from memory, the second reading it again from the
-    cache while memory waits. 8 rows at once read each weight once for all 8: the 8-node pass took 1.26-1.28 one-node
-    passes on the AVX2 EPYC, against 1.74-1.84 (`benchmarks/compiled_steps.py`, alternated). Other row counts and
+    cache while memory waits. 8 rows at once read each weight once for all 8 (`benchmarks/compiled_steps.py`
+    prints what an 8-node pass costs in one-node passes). Other row counts and
     instruction sets (AVX-512 takes 8 rows a block already) keep inductor's choice."""
     import torch._inductor.lowering  # noqa: F401  (imports inductor's kernels in the order they import each other)
     from torch._inductor.codegen import cpp_micro_gemm as micro
@@ -269,7 +268,7 @@ def _not_eight_rows(config, m: int, *args, **kwargs) -> bool:
 
 def _vector_isa() -> dict:
     """Inductor's setting for the CPU's vector instructions. Inductor checks every instruction set the CPU reports
-    by compiling a program and loading it in a child Python, in every process (24 s on the 2-core Zen 4 EPYC); mtp
+    by compiling a program and loading it in a child Python, in every process (tens of seconds); mtp
     lets it check once per machine and torch version (kept in `$MTP_CACHE/vector_isa.json`), and later trusts what
     the CPU reports while that names the same instruction set. {} where the user set `cpp.vec_isa_ok`."""
     from torch._inductor import config

@@ -2,8 +2,8 @@
 
 A linear layer computes x W^T (`torch.nn.functional.linear`). For a handful of rows (a decoding step: one row, or
 the few nodes of a tree) the same product can also be taken as W x^T, and which of the two runs faster depends on
-the machine: on one 2-core CPU here W x^T was 2.3x faster than x W^T for 2 rows, and one row ran fastest as a
-two-row W x^T (the row repeated); on another, x W^T was the faster or equal at every row count
+the machine: on one CPU W x^T can be the faster for a few rows, and one row fastest as a two-row W x^T (the
+row repeated); on another, x W^T is the faster or equal at every row count
 (`benchmarks/narrow_linear.py` prints both). So the choice is measured, not assumed: `fast_linears` times both
 ways over the model's own weights for 1 to ROWS rows, and gives a layer the W x^T path for exactly the row counts
 where it was faster by more than NOISE; every other input (and every row count on a machine where x W^T wins)
@@ -34,25 +34,25 @@ def narrow_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (weight @ x.T).T  # (out, R) -> (R, out)
 
 
-_DRAFTING = ContextVar("drafting", default=False)
+_PROPOSING = ContextVar("proposing", default=False)
 
 
 @contextmanager
-def drafting() -> Iterator[None]:
-    """Inside this block drafters propose candidates for decoding (`int8_drafts`); outside it, as in training and
+def proposing() -> Iterator[None]:
+    """Inside this block drafters propose candidates for decoding (`uses_int8_rows`); outside it, as in training and
     validation, they project from their float rows."""
-    token = _DRAFTING.set(True)
+    token = _PROPOSING.set(True)
     try:
         yield
     finally:
-        _DRAFTING.reset(token)
+        _PROPOSING.reset(token)
 
 
-def int8_drafts(device: torch.device) -> bool:
+def uses_int8_rows(device: torch.device) -> bool:
     """Whether a drafter multiplies by its vocabulary projection's rows as int8 (`quantized_rows`): when it drafts for
-    decoding (`drafting`) on a CPU, where a level of a tree streams them from memory for one row or a few. The
+    decoding (`proposing`) on a CPU, where a level of a tree streams them from memory for one row or a few. The
     accuracies that validation measures, and saves with the heads, are those of the float rows."""
-    return device.type == "cpu" and _DRAFTING.get()
+    return device.type == "cpu" and _PROPOSING.get()
 
 
 def quantized_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,11 +82,10 @@ def int8_product(owner: object, x: torch.Tensor, weight: torch.Tensor, bias: tor
 
 
 def draft_linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`layer(x)`; drafting for decoding on a CPU (`int8_drafts`) without gradients, from its weight's int8 rows
+    """`layer(x)`; drafting for decoding on a CPU (`uses_int8_rows`) without gradients, from its weight's int8 rows
     (`int8_product`): a drafter's small layers run once or twice per level of a tree, their weights streamed from
-    memory after each verification pass (Hydra's heads: a step's proposal took 2.3 ms against 2.8 from float32
-    rows, SmolLM2's heads on the 2-core AVX2 EPYC)."""
-    if not int8_drafts(x.device) or torch.is_grad_enabled():
+    memory after each verification pass: int8 rows stream a quarter of float32's bytes."""
+    if not uses_int8_rows(x.device) or torch.is_grad_enabled():
         return layer(x)
     return int8_product(layer, x, layer.weight, layer.bias)
 

@@ -44,13 +44,13 @@ class Killed(L.Callback):
 
 @pytest.fixture
 def float_drafts(monkeypatch):
-    """Drafters decode here from float rows, as off a CPU (`mtp.linears.int8_drafts`): for tests that compare their
+    """Drafters decode here from float rows, as off a CPU (`mtp.linears.uses_int8_rows`): for tests that compare their
     logits with float references."""
     from mtp import linears
     from mtp.drafters import eagle, heads
 
     for module in (heads, eagle, linears):
-        monkeypatch.setattr(module, "int8_drafts", lambda device: False)
+        monkeypatch.setattr(module, "uses_int8_rows", lambda device: False)
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ from mtp import base
 from mtp.base import DEFAULT_BASE, load_base
 from mtp.training.data import DrafterDataModule
 from mtp.training.module import DrafterModule
-from mtp.training.settings import Drafting
+from mtp.training.settings import DrafterSettings
 from tests.conftest import TINY_BASE, TINY_CHAT
 
 
@@ -42,7 +42,7 @@ def test_the_gguf_is_converted_once_and_reused(default):
 
 
 def test_a_few_training_steps_run_on_the_default_model(tmp_path):
-    module = DrafterModule(DEFAULT_BASE, drafter=Drafting(num_heads=2))
+    module = DrafterModule(DEFAULT_BASE, drafter=DrafterSettings(num_heads=2))
     trainer = L.Trainer(
         max_steps=2,
         limit_val_batches=1,

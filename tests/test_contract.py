@@ -7,14 +7,14 @@ from torch import nn
 
 from mtp.base import load_tokenizer
 from mtp.decoding.decoder import Decoder
-from mtp.decoding.lookup import FULL, Lookup
+from mtp.decoding.lookup import FULL_REACH, Lookup
 from mtp.decoding.proposer import TreeProposer
 from mtp.decoding.tree import Tree
 from mtp.drafters.contract import Drafter
 from mtp.tools.simulate import held_out_roots, simulate
 from mtp.training.data import DrafterDataModule
 from mtp.training.module import DrafterModule
-from mtp.training.settings import Drafting, Optim
+from mtp.training.settings import DrafterSettings, Optim
 from tests.conftest import PROMPT, TINY_BASE, TINY_CHAT, reference, trainer
 
 PATHS = [(0,), (1,), (0, 0), (0, 1), (1, 0)]
@@ -84,7 +84,7 @@ def probe():
 
 
 def test_a_kind_of_drafter_defined_here_trains_saves_sizes_and_decodes_losslessly(tmp_path, probe):
-    module = DrafterModule(TINY_BASE, drafter=Drafting(head_type="probe", num_heads=2), optim=Optim(lr=1e-2))
+    module = DrafterModule(TINY_BASE, drafter=DrafterSettings(head_type="probe", num_heads=2), optim=Optim(lr=1e-2))
     base = {name: tensor.clone() for name, tensor in module.base_model.state_dict().items()}
     before = {name: tensor.clone() for name, tensor in module.drafter.state_dict().items()}
     trainer(tmp_path, max_steps=4, limit_val_batches=1).fit(
@@ -110,7 +110,7 @@ def test_a_kind_of_drafter_defined_here_trains_saves_sizes_and_decodes_losslessl
         examples.append((ids, torch.arange(len(ids)) >= input_ids.shape[1]))
     # sizing simulates on the answers the steps that decoding took with them
     with torch.no_grad():
-        roots = held_out_roots(model, loaded, PATHS, examples, Lookup((FULL,) * 3))
+        roots = held_out_roots(model, loaded, PATHS, examples, Lookup((FULL_REACH,) * 3))
     tokens, steps, _ = simulate(roots, len(PATHS) + 1, [0, 3, 10], [1.0] * 30)
     assert steps == sum(result.forward_passes for result in results)
     assert tokens == sum(len(result.token_ids) - 1 for result in results)

@@ -21,13 +21,13 @@ import torch
 
 from mtp.training.data import DrafterDataModule
 from mtp.training.module import DrafterModule
-from mtp.training.settings import Drafting, Loss, Optim
+from mtp.training.settings import DrafterSettings, Loss, Optim
 
 
 base, chat, devices, out, kind = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
 draft_vocab, teacher = (0, False) if kind == "medusa" else (60, kind == "hydra")
 L.seed_everything(0)
-module = DrafterModule(base, Drafting(kind.split("-")[0], 3, draft_vocab=draft_vocab), Loss(teacher=teacher),
+module = DrafterModule(base, DrafterSettings(kind.split("-")[0], 3, draft_vocab=draft_vocab), Loss(teacher=teacher),
                        Optim(lr=1e-2, warmup_steps=0), features=out + "/features" if kind == "eagle-features" else None)
 module.drafter.save_pretrained(out + "/start")  # the same on both processes: seeded
 trainer = L.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", max_steps=2,

@@ -144,11 +144,11 @@ def test_trained_heads_give_the_base_models_greedy_output(tokenizer, tmp_path, h
 
     from mtp.training.data import DrafterDataModule
     from mtp.training.module import DrafterModule
-    from mtp.training.settings import Drafting, Optim
+    from mtp.training.settings import DrafterSettings, Optim
     from tests.conftest import TINY_CHAT
 
     module = DrafterModule(
-        TINY_BASE, drafter=Drafting(num_heads=4, lm_head="own", head_type=head_type), optim=Optim(lr=3e-3)
+        TINY_BASE, drafter=DrafterSettings(num_heads=4, lm_head="own", head_type=head_type), optim=Optim(lr=3e-3)
     )
     trainer = L.Trainer(
         max_steps=30,

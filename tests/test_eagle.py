@@ -16,7 +16,7 @@ from mtp.drafters.eagle import EagleProposer
 from mtp.training.data import DrafterDataModule, collate, encode
 from mtp.training.module import DrafterModule
 from mtp.training.rows import read_rows, to_example
-from mtp.training.settings import Drafting, Loss, Optim
+from mtp.training.settings import DrafterSettings, Loss, Optim
 from tests.conftest import PROMPT, TINY_BASE, TINY_CHAT, plain_answer, random_heads, reference, tiny_model, trainer
 
 
@@ -127,7 +127,7 @@ def test_the_drafters_cache_after_acceptance_equals_a_fresh_run_over_the_accepte
 def test_training_moves_the_drafter_only_and_its_folder_decodes_losslessly(tmp_path, tokenizer):
     module = DrafterModule(
         TINY_BASE,
-        drafter=Drafting(head_type="eagle", num_heads=3, draft_vocab=100),
+        drafter=DrafterSettings(head_type="eagle", num_heads=3, draft_vocab=100),
         loss=Loss(teacher=True),
         optim=Optim(lr=1e-2),
     )
@@ -159,7 +159,9 @@ def test_the_feature_loss_regresses_each_steps_output_onto_the_base_state_that_s
     normed, against the base model's last hidden state at t + k + 1, on assistant tokens only, weighted per step."""
     weights, scale = [1.0, 0.5], 3.0
     module = DrafterModule(
-        TINY_BASE, drafter=Drafting(head_type="eagle", num_heads=2), loss=Loss(weights=weights, feature_loss=scale)
+        TINY_BASE,
+        drafter=DrafterSettings(head_type="eagle", num_heads=2),
+        loss=Loss(weights=weights, feature_loss=scale),
     )
     torch.manual_seed(0)
     for parameter in module.drafter.parameters():
@@ -185,10 +187,12 @@ def test_the_feature_loss_regresses_each_steps_output_onto_the_base_state_that_s
 
 @torch.no_grad()
 def test_the_feature_loss_regresses_the_states_any_drafter_projects_and_takes_no_negative_weight(tokenizer):
-    module = DrafterModule(TINY_BASE, drafter=Drafting(head_type="hydra", num_heads=2), loss=Loss(feature_loss=2.0))
+    module = DrafterModule(
+        TINY_BASE, drafter=DrafterSettings(head_type="hydra", num_heads=2), loss=Loss(feature_loss=2.0)
+    )
     examples = [encode(tokenizer, to_example(row), 512) for row in read_rows(TINY_CHAT)[:2]]
     with_regression = module.training_step(collate(examples), 0)
     module.loss = replace(module.loss, feature_loss=0.0)
     assert with_regression > module.training_step(collate(examples), 0)  # new heads' states are not the base's
     with pytest.raises(ValueError, match="feature_loss=-1"):
-        DrafterModule(TINY_BASE, drafter=Drafting(head_type="eagle", num_heads=2), loss=Loss(feature_loss=-1.0))
+        DrafterModule(TINY_BASE, drafter=DrafterSettings(head_type="eagle", num_heads=2), loss=Loss(feature_loss=-1.0))

@@ -13,7 +13,7 @@ from mtp.training import features as features_module
 from mtp.training.data import DrafterDataModule
 from mtp.training.features import Features, backbone, key, manifest, write_features
 from mtp.training.module import DrafterModule
-from mtp.training.settings import Drafting, Loss, Optim
+from mtp.training.settings import DrafterSettings, Loss, Optim
 from tests.conftest import TINY_BASE, TINY_CHAT, trainer
 
 LAYERS = [1]  # one layer's states beside the last: (1 + 1) x 64 values a token
@@ -114,7 +114,7 @@ def test_the_loader_reads_each_batchs_states_in_its_worker_and_the_step_reads_no
     data = DrafterDataModule(TINY_CHAT, TINY_BASE, batch_size=8, val_fraction=0.1)
     data.setup("fit")
     data.read_features(features)
-    module = DrafterModule(TINY_BASE, drafter=Drafting(feature_layers=LAYERS), features=str(tmp_path))
+    module = DrafterModule(TINY_BASE, drafter=DrafterSettings(feature_layers=LAYERS), features=str(tmp_path))
     module.features = features  # (as its setup opens them)
     batches = [*data.train_dataloader(), *data.val_dataloader()]
     assert len(batches) == len(data.train_batches) + len(data.val_batches)
@@ -147,8 +147,8 @@ def test_the_base_without_layers_holds_the_whole_bases_embeddings_norm_and_lm_he
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
 def test_training_on_states_from_disk_reaches_online_trainings_weights_without_the_bases_layers(kind, tmp_path):
     drafter, loss = {
-        "medusa": (Drafting(num_heads=2), Loss(teacher=True)),
-        "eagle": (Drafting("eagle", 2, draft_vocab=60, feature_layers=LAYERS), Loss()),
+        "medusa": (DrafterSettings(num_heads=2), Loss(teacher=True)),
+        "eagle": (DrafterSettings("eagle", 2, draft_vocab=60, feature_layers=LAYERS), Loss()),
     }[kind]
     results, starts = {}, {}
     for folder in (None, tmp_path / "features", tmp_path / "features"):  # online, offline, offline again

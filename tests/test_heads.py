@@ -12,7 +12,7 @@ from mtp.decoding.tree import Tree
 from mtp.drafters import heads as heads_module
 from mtp.drafters.contract import Drafter, DrafterConfig, base_identity
 from mtp.drafters.heads import HydraHeads, MedusaHeads
-from mtp.linears import ROWS, drafting, narrow_product, usual_linears
+from mtp.linears import ROWS, narrow_product, proposing, usual_linears
 from tests.conftest import TINY_BASE, head_logits
 
 
@@ -105,7 +105,7 @@ def test_draft_logits_are_the_same_whichever_product_this_machine_measured_faste
 
 @pytest.mark.parametrize("lm_head", ["shared", "own"])
 def test_drafting_on_a_cpu_takes_int8_rows_within_their_rounding_of_the_float_logits(tiny, config, lm_head):
-    """Drafting for decoding on a CPU (`mtp.linears.drafting`), the draft vocabulary's logits come from its rows as
+    """Drafting for decoding on a CPU (`mtp.linears.proposing`), the draft vocabulary's logits come from its rows as
     int8 (`mtp.linears.quantized_rows`, the step's rows in bfloat16): each within the bound of that rounding from the
     float logits, their typical error small beside the logits' spread, and the best guess the float one wherever the
     float logits' best two lie further apart than twice the bound. Outside it (validation), the float logits."""
@@ -118,7 +118,7 @@ def test_drafting_on_a_cpu_takes_int8_rows_within_their_rounding_of_the_float_lo
             weight = (lm_head_module if lm_head == "shared" else heads.projections[k]).weight[draft]  # (N, H)
             exact, x = states[k] @ weight.T, states[k]  # (rows, N)
             torch.testing.assert_close(heads.project(states[k : k + 1], lm_head_module, k)[0], exact)
-            with drafting():
+            with proposing():
                 int8 = heads.project(states[k : k + 1], lm_head_module, k)[0]
             scales = weight.abs().amax(1) / 127  # (N,) half a scale: an int8 weight's rounding
             bound = x.abs() @ (weight.abs() / 128 + scales[:, None] / 2).T + exact.abs() / 64  # (rows, N)

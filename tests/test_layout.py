@@ -54,7 +54,7 @@ def test_no_module_imports_itself_through_others_and_none_imports_inside_a_funct
 
 
 def test_each_layer_imports_only_the_layers_below_it_and_only_the_drafter_contract_names_kinds():
-    """decoding/ imports nothing of the drafters (what it needs of one, `Drafts`, it declares), nor Lightning,
+    """decoding/ imports nothing of the drafters (what it needs of one, `DrafterProtocol`, it declares), nor Lightning,
     training or tools; drafters/ neither training nor tools; training/ no tool; only the drafters themselves (and
     the drafters' package, which imports every kind so that the registry is complete whatever part of it is
     imported) import a kind."""
@@ -120,3 +120,21 @@ def test_only_mtp_internals_touches_private_names_of_torch_and_transformers():
         for path in sorted((ROOT / "mtp").rglob("*.py"))
     }
     assert found.pop("mtp/internals.py") and {path: lines for path, lines in found.items() if lines} == {}
+
+
+def test_every_function_in_the_package_fits_a_screen():
+    """At most 80 lines and 10 parameters a function (its docstring included): a longer one is split where it does
+    two things."""
+    long = {}
+    for path in sorted((ROOT / "mtp").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                args = node.args
+                named = [arg.arg for arg in args.posonlyargs + args.args + args.kwonlyargs]
+                count = len(named) - (named[:1] in (["self"], ["cls"]))
+                if node.end_lineno - node.lineno >= 80 or count > 10:
+                    long[f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"] = (
+                        node.end_lineno - node.lineno + 1,
+                        count,
+                    )
+    assert long == {}

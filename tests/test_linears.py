@@ -11,7 +11,7 @@ from torch.nn import functional as F
 from mtp import linears
 from mtp.base import load_base, load_tokenizer
 from mtp.decoding.decoder import Decoder
-from mtp.linears import ROWS, draft_linear, drafting, fast_linears, narrow_product, narrow_rows, usual_linears
+from mtp.linears import ROWS, draft_linear, fast_linears, narrow_product, narrow_rows, proposing, usual_linears
 from tests.conftest import PROMPT, TINY_BASE, TREE, random_heads, reference, tiny_model
 
 
@@ -87,7 +87,7 @@ def test_load_base_gives_every_linear_layer_the_measured_choice_and_training_the
 
 
 def test_a_drafters_small_layer_drafts_from_int8_rows_kept_until_its_weight_changes():
-    """Drafting (`drafting`) on a CPU without gradients, `draft_linear` multiplies by the layer's weight as int8 rows,
+    """Proposing (`proposing`) on a CPU without gradients, `draft_linear` multiplies by the layer's weight as int8 rows,
     within their rounding of the float product; outside it (training, validation) the layer's own float product.
     The int8 rows are made once per weight: a step of training makes them again."""
     torch.manual_seed(0)
@@ -95,16 +95,16 @@ def test_a_drafters_small_layer_drafts_from_int8_rows_kept_until_its_weight_chan
     with torch.no_grad():
         exact = layer(x)
         assert torch.equal(draft_linear(layer, x), exact)  # not drafting
-        with drafting():
+        with proposing():
             int8, kept = draft_linear(layer, x), layer._int8
             assert draft_linear(layer, x) is not None and layer._int8 is kept  # made once
         scales = layer.weight.abs().amax(1) / 127  # half a scale: an int8 weight's rounding; x in bfloat16
         bound = x.abs() @ (layer.weight.abs() / 128 + scales[:, None] / 2).T + (exact - layer.bias).abs() / 64
         assert not torch.equal(int8, exact) and ((int8 - exact).abs() <= bound).all()
-    with drafting():
+    with proposing():
         assert torch.equal(draft_linear(layer, x), exact)  # with gradients: the float product
     with torch.no_grad():
         layer.weight.mul_(2)  # as an optimizer's step writes it in place
-        with drafting():
+        with proposing():
             again = draft_linear(layer, x)
         assert layer._int8 is not kept and ((again - layer(x)).abs() <= 2 * bound + 1e-6).all()

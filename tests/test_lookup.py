@@ -5,7 +5,7 @@ import torch
 
 from mtp.base import load_tokenizer
 from mtp.decoding.decoder import Decoder
-from mtp.decoding.lookup import FULL, Lookup
+from mtp.decoding.lookup import FULL_REACH, Lookup
 from mtp.decoding.tree import Tree
 from mtp.drafters.contract import Drafter
 from tests.conftest import PROMPT, TINY_BASE, TREE, random_heads, reference, tiny_model
@@ -18,7 +18,7 @@ def tokenizer():
 
 def test_the_longest_suffix_that_occurred_before_proposes_what_followed_its_latest_full_occurrence():
     ids = torch.tensor([5, 6, 7, 1, 9, 6, 7, 2, 3, 4, 8, 6, 7])
-    # "6 7" occurred at 1 and 5: the one at 1 is the latest that FULL = 10 tokens follow
+    # "6 7" occurred at 1 and 5: the one at 1 is the latest that FULL_REACH = 10 tokens follow
     assert Lookup((3, 3)).match(ids) == (2, [1, 9, 6])
     assert Lookup((3, 3, 3)).propose(ids) == [1, 9, 6]  # "8 6 7" never occurred: falls back to "6 7"
     assert Lookup((4, 10)).propose(ids) == [1, 9, 6, 7, 2, 3, 4, 8, 6, 7]
@@ -36,7 +36,7 @@ def test_the_match_is_the_longest_earlier_occurrence_on_random_texts():
         for n in range(min(longest, len(ids) - 1), 0, -1):
             after = [s + n for s in range(len(ids) - n) if ids[s : s + n] == ids[-n:]]  # earlier occurrences' ends
             if after:
-                full = [a for a in after if a + FULL <= len(ids)]
+                full = [a for a in after if a + FULL_REACH <= len(ids)]
                 begin = (full or after)[-1]
                 return n, ids[begin : begin + reach]
         return 0, []

@@ -14,7 +14,7 @@ from mtp.tools.drift import drift
 from mtp.training.data import DrafterDataModule
 from mtp.training.lora import Lora
 from mtp.training.module import DrafterModule
-from mtp.training.settings import Drafting, Optim
+from mtp.training.settings import DrafterSettings, Optim
 from tests.conftest import TINY_BASE, TINY_CHAT, reference
 
 LORA = Lora(r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"], heads_warmup_steps=2)
@@ -40,7 +40,7 @@ def trained(tmp_path_factory):
     """A module trained 6 steps with adapters on q_proj and v_proj (checkpoints every 3), and its heads folder."""
     root = tmp_path_factory.mktemp("lora")
     torch.manual_seed(0)
-    module = DrafterModule(TINY_BASE, drafter=Drafting(num_heads=2), optim=Optim(lr=3e-2), lora=LORA)
+    module = DrafterModule(TINY_BASE, drafter=DrafterSettings(num_heads=2), optim=Optim(lr=3e-2), lora=LORA)
     checkpoints = ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=3, save_top_k=-1, save_last=True)
     fit(module, root, 6, callbacks=[checkpoints])
     return module, root
@@ -81,7 +81,7 @@ def test_the_teacher_pass_is_the_original_model_and_the_student_pass_is_not(trai
 
 def test_the_drift_term_is_zero_for_untrained_adapters_and_the_heads_loss_warms_up():
     module = DrafterModule(
-        TINY_BASE, drafter=Drafting(num_heads=2), lora=LORA
+        TINY_BASE, drafter=DrafterSettings(num_heads=2), lora=LORA
     )  # heads_warmup_steps 2: weight 1/2 at the first step
     data = DrafterDataModule(TINY_CHAT, TINY_BASE, batch_size=4)
     data.setup("fit")
@@ -101,7 +101,7 @@ def test_checkpoints_hold_heads_and_adapters_never_base_weights_and_resume(train
     assert len(saved["optimizer_states"][0]["param_groups"]) == 2  # heads at 4x the adapters' learning rate
     groups = saved["optimizer_states"][0]["param_groups"]
     assert groups[0]["initial_lr"] == pytest.approx(4 * groups[1]["initial_lr"])
-    resumed = DrafterModule(TINY_BASE, drafter=Drafting(num_heads=2), optim=Optim(lr=3e-2), lora=LORA)
+    resumed = DrafterModule(TINY_BASE, drafter=DrafterSettings(num_heads=2), optim=Optim(lr=3e-2), lora=LORA)
     (checkpoint,) = (root / "ckpt").glob("*step=3.ckpt")
     assert fit(resumed, tmp_path, 6, ckpt_path=checkpoint).global_step == 6
     restored = torch.load(checkpoint, weights_only=False)["state_dict"]
@@ -148,13 +148,13 @@ def test_drift_measures_how_far_the_adapter_moved_the_model(trained, tmp_path):
     moved = drift(str(root / "heads"), data.val_examples, prompts=2, max_new_tokens=8)
     assert moved["answer_tokens"] > 0 and moved["prompts"] == 2 and moved["kl"] > 1e-4
     untrained = DrafterModule(
-        TINY_BASE, drafter=Drafting(num_heads=2), lora=LORA
+        TINY_BASE, drafter=DrafterSettings(num_heads=2), lora=LORA
     )  # lora_B is zero: the adapted model is the original
     untrained.drafter.save_pretrained(tmp_path / "zero")
     untrained.base_model.save_pretrained(tmp_path / "zero")
     still = drift(str(tmp_path / "zero"), data.val_examples, prompts=2, max_new_tokens=8)
     assert still["agreement"] == 1 and still["kl"] == pytest.approx(0, abs=1e-6) and still["identical"] == 1
-    DrafterModule(TINY_BASE, drafter=Drafting(num_heads=2)).drafter.save_pretrained(tmp_path / "frozen")
+    DrafterModule(TINY_BASE, drafter=DrafterSettings(num_heads=2)).drafter.save_pretrained(tmp_path / "frozen")
     with pytest.raises(ValueError, match="has no adapter"):
         drift(str(tmp_path / "frozen"), data.val_examples, 0, 8)
 
@@ -169,7 +169,7 @@ def test_bad_lora_settings_are_refused_with_the_fix():
 def test_adapters_on_the_last_layers_only_train_there_and_round_trip(tmp_path):
     torch.manual_seed(0)
     lora = Lora(r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"], last_layers=1)
-    module = DrafterModule(TINY_BASE, drafter=Drafting(num_heads=2), optim=Optim(lr=3e-2), lora=lora)
+    module = DrafterModule(TINY_BASE, drafter=DrafterSettings(num_heads=2), optim=Optim(lr=3e-2), lora=lora)
     depth = module.base_model.config.num_hidden_layers
     fit(module, tmp_path, 3)
     trained = {name: p for name, p in module.base_model.named_parameters() if p.requires_grad}
@@ -192,8 +192,8 @@ def test_training_can_start_from_saved_heads_of_the_same_kind(trained):
     _, root = trained
     saved = Drafter.from_pretrained(root / "heads")
     module = DrafterModule(
-        TINY_BASE, drafter=Drafting(num_heads=2, init=str(root / "heads")), lora=LORA
+        TINY_BASE, drafter=DrafterSettings(num_heads=2, init=str(root / "heads")), lora=LORA
     )  # Medusa-2's stage 2
     assert all(torch.equal(module.drafter.state_dict()[name], tensor) for name, tensor in saved.state_dict().items())
     with pytest.raises(ValueError, match=r"holds num_heads 2.*this model has num_heads 3.*set the same"):
-        DrafterModule(TINY_BASE, drafter=Drafting(num_heads=3, init=str(root / "heads")))
+        DrafterModule(TINY_BASE, drafter=DrafterSettings(num_heads=3, init=str(root / "heads")))

@@ -16,12 +16,12 @@ from mtp.drafters.heads import MedusaHeads
 from mtp.training.data import DrafterDataModule, collate, encode
 from mtp.training.module import DrafterModule
 from mtp.training.rows import read_rows, to_example
-from mtp.training.settings import Drafting, Loss, Optim
+from mtp.training.settings import DrafterSettings, Loss, Optim
 from tests.conftest import TINY_BASE, TINY_CHAT, head_logits, trainer
 
 
 def test_training_leaves_the_base_untouched_and_optimises_only_the_heads(tmp_path):
-    module = DrafterModule(TINY_BASE, drafter=Drafting(num_heads=3, lm_head="own"), optim=Optim(lr=1e-2))
+    module = DrafterModule(TINY_BASE, drafter=DrafterSettings(num_heads=3, lm_head="own"), optim=Optim(lr=1e-2))
     base_before = {name: tensor.clone() for name, tensor in module.base_model.state_dict().items()}
     heads_before = {name: tensor.clone() for name, tensor in module.drafter.state_dict().items()}
     fit = trainer(tmp_path, max_steps=5, limit_val_batches=0)
@@ -41,7 +41,7 @@ def test_training_leaves_the_base_untouched_and_optimises_only_the_heads(tmp_pat
     state = checkpoint["state_dict"]
     checkpoint["state_dict"] = {key.replace("drafter.", "heads.", 1): value for key, value in state.items()}
     torch.save(checkpoint, tmp_path / "before.ckpt")
-    resumed = DrafterModule(TINY_BASE, drafter=Drafting(num_heads=3, lm_head="own"))
+    resumed = DrafterModule(TINY_BASE, drafter=DrafterSettings(num_heads=3, lm_head="own"))
     trainer(tmp_path / "again", max_steps=5, limit_val_batches=0).fit(
         resumed, DrafterDataModule(TINY_CHAT, TINY_BASE, batch_size=4), ckpt_path=tmp_path / "before.ckpt"
     )
@@ -73,7 +73,7 @@ def cycle_rows(path, rows=40, length=24, seed=0):
 def test_heads_learn_a_predictable_future_far_above_chance(tmp_path, lm_head):
     data = DrafterDataModule(cycle_rows(tmp_path / "cycle.jsonl"), TINY_BASE, batch_size=8, val_fraction=0.125)
     module = DrafterModule(
-        TINY_BASE, drafter=Drafting(num_heads=3, lm_head=lm_head), optim=Optim(lr=3e-3, warmup_steps=10)
+        TINY_BASE, drafter=DrafterSettings(num_heads=3, lm_head=lm_head), optim=Optim(lr=3e-3, warmup_steps=10)
     )
     fit = trainer(tmp_path, max_steps=120, check_val_every_n_epoch=None, val_check_interval=120)
     fit.fit(module, data)
@@ -194,7 +194,7 @@ def test_a_checkpoint_taken_mid_epoch_on_two_processes_does_not_resume_on_one():
 
 def test_loss_weights_must_match_the_number_of_heads():
     with pytest.raises(ValueError, match="loss weights has 2 entries for 4 heads"):
-        DrafterModule(TINY_BASE, drafter=Drafting(num_heads=4), loss=Loss(weights=[1.0, 0.5]))
+        DrafterModule(TINY_BASE, drafter=DrafterSettings(num_heads=4), loss=Loss(weights=[1.0, 0.5]))
 
 
 def hand_loss(module: DrafterModule, examples, weights: list[float], draft: list[int] | None = None) -> torch.Tensor:
@@ -224,7 +224,7 @@ def test_the_training_loss_is_the_hand_computed_one_on_assistant_tokens_at_t_plu
     every attended token; head k at position t is scored against token t+k+2; explicit loss weights weight each
     head's loss as given."""
     weights = [1.0, 0.5, 2.0]  # neither the default decay nor decreasing
-    module = DrafterModule(TINY_BASE, drafter=Drafting(num_heads=3, lm_head="own"), loss=Loss(weights=weights))
+    module = DrafterModule(TINY_BASE, drafter=DrafterSettings(num_heads=3, lm_head="own"), loss=Loss(weights=weights))
     torch.manual_seed(0)
     for parameter in module.drafter.parameters():  # heads that differ from each other and from the base lm_head
         torch.nn.init.normal_(parameter, std=0.3)
@@ -240,7 +240,7 @@ def test_hydra_heads_read_the_true_tokens_after_t_and_the_teacher_is_the_base_mo
     """By hand, one position at a time: a Hydra head k at t reads the input embeddings of tokens t+1 .. t+k+1;
     with `teacher`, head k learns the base model's own distribution at t+k+1 (its prediction of token t+k+2)."""
     weights = [1.0, 0.5]
-    drafting = Drafting(head_type, num_heads=2, lm_head="own")
+    drafting = DrafterSettings(head_type, num_heads=2, lm_head="own")
     module = DrafterModule(TINY_BASE, drafting, Loss(weights=weights, teacher=teacher))
     torch.manual_seed(0)
     for parameter in module.drafter.parameters():
@@ -266,7 +266,7 @@ def test_hydra_heads_read_the_true_tokens_after_t_and_the_teacher_is_the_base_mo
 @torch.no_grad()
 @pytest.mark.parametrize("lm_head", ["shared", "own"])
 def test_with_a_draft_vocabulary_the_loss_ranks_its_tokens_only_and_a_target_outside_it_is_a_miss(lm_head):
-    module = DrafterModule(TINY_BASE, drafter=Drafting(num_heads=2, lm_head=lm_head))
+    module = DrafterModule(TINY_BASE, drafter=DrafterSettings(num_heads=2, lm_head=lm_head))
     torch.manual_seed(0)
     for parameter in module.drafter.parameters():
         torch.nn.init.normal_(parameter, std=0.3)
@@ -302,7 +302,7 @@ class LearningRates(Callback):
 
 def test_the_learning_rate_warms_up_linearly_then_decays_along_a_cosine(tmp_path):
     rates = LearningRates()
-    module = DrafterModule(TINY_BASE, drafter=Drafting(num_heads=1), optim=Optim(lr=1e-2, warmup_steps=3))
+    module = DrafterModule(TINY_BASE, drafter=DrafterSettings(num_heads=1), optim=Optim(lr=1e-2, warmup_steps=3))
     data = DrafterDataModule(TINY_CHAT, TINY_BASE, batch_size=8)
     trainer(tmp_path, 10, [rates], limit_val_batches=0).fit(module, data)
     # steps 0-2: (step + 1) / 4 of the peak; steps 3-9: (1 + cos(pi * (step - 3) / 7)) / 2, cos(pi/7) = 0.90097,
@@ -312,7 +312,7 @@ def test_the_learning_rate_warms_up_linearly_then_decays_along_a_cosine(tmp_path
 
 
 def test_the_draft_vocabulary_is_the_most_frequent_training_targets_and_is_saved(tmp_path):
-    module = DrafterModule(TINY_BASE, drafter=Drafting(num_heads=2, draft_vocab=20))
+    module = DrafterModule(TINY_BASE, drafter=DrafterSettings(num_heads=2, draft_vocab=20))
     data = DrafterDataModule(TINY_CHAT, TINY_BASE, batch_size=8)
     trainer(tmp_path, 2, [], limit_val_batches=0).fit(module, data)
     targets = torch.cat([ids[mask] for ids, mask in data.train_examples])
@@ -322,14 +322,14 @@ def test_the_draft_vocabulary_is_the_most_frequent_training_targets_and_is_saved
     (saved,) = tmp_path.rglob("heads/config.json")
     assert json.loads(saved.read_text())["draft_vocab"] == draft
     with pytest.raises(ValueError, match="draft_vocab=-1"):
-        DrafterModule(TINY_BASE, drafter=Drafting(draft_vocab=-1))
+        DrafterModule(TINY_BASE, drafter=DrafterSettings(draft_vocab=-1))
 
 
 @pytest.mark.parametrize(
     "drafter, objective",
     [
-        (Drafting(head_type="hydra", lm_head="own"), {"teacher": True}),
-        (Drafting(head_type="eagle"), {"feature_loss": 0.5}),
+        (DrafterSettings(head_type="hydra", lm_head="own"), {"teacher": True}),
+        (DrafterSettings(head_type="eagle"), {"feature_loss": 0.5}),
     ],
 )
 def test_the_loss_over_chunks_of_positions_and_its_gradients_equal_the_loss_over_all_at_once(drafter, objective):

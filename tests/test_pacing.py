@@ -12,7 +12,7 @@ from mtp.base import load_tokenizer
 from mtp.decoding.batch import Row
 from mtp.decoding.costs import machine_pacer, measure_steps
 from mtp.decoding.decoder import Decoder
-from mtp.decoding.pacing import MIN_RETURN, RETURN, Candidate, Pacer, Plan
+from mtp.decoding.pacing import MIN_RETURN_RATE, RETURN_RATE, Candidate, Pacer, Plan
 from mtp.decoding.tree import Tree, grow_tree
 from mtp.drafters.heads import MedusaHeads
 from tests.conftest import PROMPT, TINY_BASE, OracleHeads, random_heads, reference, save_random_heads, tiny_model
@@ -252,9 +252,11 @@ def test_a_drafter_whose_tries_keep_failing_is_tried_ever_more_rarely_and_one_hi
 
     failed = tries(600)
     assert failed[:20] == list(range(20))  # in play, each step that accepts nothing weighs RATE
-    retries = [step for step in failed[20:] if step - 1 not in failed]  # tries after sitting out, each weighing TRY
+    retries = [
+        step for step in failed[20:] if step - 1 not in failed
+    ]  # tries after sitting out, each weighing RETRY_WEIGHT
     gaps = [later - earlier for earlier, later in zip(retries, retries[1:], strict=False)]
     assert len(gaps) >= 5 and gaps[0] < gaps[1] < gaps[2] and gaps[2] >= 3 * gaps[0]  # backing off
-    assert abs(gaps[-1] - gaps[-2]) <= 1 and row.tree_skill.back == MIN_RETURN  # to a floor
+    assert abs(gaps[-1] - gaps[-2]) <= 1 and row.tree_skill.back == MIN_RETURN_RATE  # to a floor
     tries(gaps[-1] + 1, hit=True)  # the next try accepts a candidate: tried again as soon as at first
-    assert row.tree_skill.back == RETURN
+    assert row.tree_skill.back == RETURN_RATE

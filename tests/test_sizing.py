@@ -11,12 +11,12 @@ import mtp.tools.sizing
 from mtp.base import load_tokenizer
 from mtp.decoding.costs import SIZES, step_costs
 from mtp.decoding.decoder import Decoder
-from mtp.decoding.lookup import FULL, Lookup
+from mtp.decoding.lookup import FULL_REACH, Lookup
 from mtp.decoding.pacing import Candidate
 from mtp.decoding.tree import DynamicTree, Tree, grow_tree, named_tree
 from mtp.drafters.contract import Drafter
 from mtp.drafters.heads import MedusaHeads
-from mtp.tools.simulate import acceptance, grown_accepts, held_out_roots, simulate, spread
+from mtp.tools.simulate import acceptance, evenly_spaced, grown_accepts, held_out_roots, simulate
 from mtp.tools.sizing import size_tree
 from tests.conftest import PROMPT, TINY_BASE, random_heads, reference, save_random_heads, tiny_model
 
@@ -168,7 +168,7 @@ def test_sizing_with_held_out_answers_simulates_each_size_and_saves_the_best_tre
     # what each candidate accepts is saved, and load weighs them by this machine's step costs (here the same
     # fixed ones): the same choice; a tree or lookup the caller gives holds for every step
     saved = MedusaHeads.from_pretrained(path).config.acceptance
-    assert {(row["size"], tuple(row["lookup"])) for row in saved} >= {(1, ()), (1, (0, 7)), (1, (FULL,) * 3)}
+    assert {(row["size"], tuple(row["lookup"])) for row in saved} >= {(1, ()), (1, (0, 7)), (1, (FULL_REACH,) * 3)}
     assert {row["size"] for row in saved} == {1, 2, 3, 4, 6}
     monkeypatch.setattr(mtp.decoding.costs, "measure_steps", lambda *args, **kwargs: [0.04, 0.05, 0.06, 0.08, 0.10])
     decoder = mtp.load(path)
@@ -209,13 +209,13 @@ def test_on_a_compiled_pass_sizing_simulates_lookup_as_that_pass_verifies_it(tmp
     assert all(max(row["lengths"]) <= 8 - size for size, row in enumerate(table["lookup"], 1))  # within the room
     saved = {(row["size"], tuple(row["lookup"])): row for row in MedusaHeads.from_pretrained(path).config.acceptance}
     for size, cut in ((1, (7, 7, 7)), (4, (4, 4, 4)), (6, (2, 2, 2))):
-        assert (size, (FULL,) * 3) in saved  # kept whole for a pass that verifies more
+        assert (size, (FULL_REACH,) * 3) in saved  # kept whole for a pass that verifies more
         depth = saved[size, ()]["depth"]
         assert saved[size, cut] == acceptance(copy, size, list(cut), depth).as_dict()
     # the 4-node tree's lookup cut to 4: 4 right at the first root, then 2 before the answer's last token (the
     # bonus): 3 a step, where the whole lookup accepts 7 in one step and the share of its new nodes that fit
     # (`within`: 4 of 10) estimated 2.8
-    assert saved[4, (4, 4, 4)]["from_lookup"] == 3.0 and saved[4, (FULL,) * 3]["from_lookup"] == 7.0
+    assert saved[4, (4, 4, 4)]["from_lookup"] == 3.0 and saved[4, (FULL_REACH,) * 3]["from_lookup"] == 7.0
 
 
 def test_drafting_is_timed_as_decoding_drafts_without_gradients(monkeypatch):
@@ -240,11 +240,11 @@ def test_dynamic_trees_are_simulated_on_distinct_answers_spread_over_the_held_ou
     greeting = (torch.tensor([5, 6, 7, 8]), torch.tensor([False, True, True, True]))
     others = [(torch.tensor([5, 9, i, i + 1]), torch.tensor([False, False, True, True])) for i in range(10, 39)]
     examples = [greeting] * 20 + others
-    sample = spread(examples, 6)
+    sample = evenly_spaced(examples, 6)
     answers = [tuple(ids[mask].tolist()) for ids, mask in sample]
     assert len(sample) == 6 and len(set(answers)) == 6
     assert answers[0] == (6, 7, 8) and answers[1:] == [(i, i + 1) for i in (14, 19, 24, 29, 34)]
-    assert len(spread(examples[:23], 6)) == 4  # fewer distinct answers than asked: all of them
+    assert len(evenly_spaced(examples[:23], 6)) == 4  # fewer distinct answers than asked: all of them
 
 
 @pytest.mark.parametrize("head_type", Drafter.kinds)
@@ -262,7 +262,7 @@ def test_the_simulation_takes_the_steps_that_decoding_takes(head_type):
         ids = torch.tensor(input_ids[0].tolist() + reference(model, input_ids, 30))
         examples.append((ids, torch.arange(len(ids)) >= input_ids.shape[1]))
     heads.set_draft_vocab(sorted({token for ids, mask in examples for token in ids[mask].tolist()}), model)
-    roots = held_out_roots(model, heads, paths, examples, Lookup((FULL,) * 3))
+    roots = held_out_roots(model, heads, paths, examples, Lookup((FULL_REACH,) * 3))
     for size, lengths in [(1, [2, 4, 6]), (4, [0, 3, 10]), (9, [1, 1, 1]), (9, [])]:
         decoder = Decoder(model, tokenizer, heads, Tree.from_paths(paths[: size - 1]), Lookup(tuple(lengths) or (0,)))
         results = [decoder.generate(prompt, max_new_tokens=30) for prompt in prompts]

@@ -19,7 +19,7 @@ from mtp.decoding.compiled import CompiledPass
 from mtp.decoding.pacing import Pacer, Plan, Skill
 from mtp.decoding.proposer import Proposer
 from mtp.decoding.sampling import Sampling
-from mtp.decoding.target import States, Target
+from mtp.decoding.target import PassStates, Target
 from mtp.decoding.tree import Tree
 
 
@@ -132,8 +132,7 @@ class Batch:
     def propose(self, plan: Plan) -> tuple[list[Tree], list[torch.Tensor]]:
         """Each row's tree and its tokens (N_b+1,) by `plan`: every drafter's candidates in turn, none past the
         row's room. On the static cache, a grafting drafter's (prompt lookup's) nodes past the largest compiled
-        pass are dropped: a pass over more nodes runs eagerly, which costs about three compiled ones (108 ms under
-        cProfile against 33-35 ms for 8 nodes compiled, SmolLM2 on the 2-core Zen 4 EPYC)."""
+        pass are dropped: a pass over more nodes runs eagerly, which costs about three compiled ones."""
         trees = [self.root] * len(self.rows)
         tokens = [torch.tensor([row.root], device=self.device) for row in self.rows]
         rooms = [row.room for row in self.rows]
@@ -161,7 +160,7 @@ class Batch:
             nodes, settled = self.accept(trees, tokens, states)
         return self.commit(plan, trees, states, nodes, settled, prefix_lens)
 
-    def verify(self, trees: list[Tree], tokens: list[torch.Tensor], prefix_lens: torch.Tensor) -> States:
+    def verify(self, trees: list[Tree], tokens: list[torch.Tensor], prefix_lens: torch.Tensor) -> PassStates:
         """One pass of the base model over every row's tree after its cache, each node at its depth past its row's
         root (at `prefix_lens` (B,)) and seeing its ancestors only; rows with smaller trees are padded with nodes
         seen by none."""
@@ -190,7 +189,7 @@ class Batch:
                 )
             return replace(states, logits=self.target.logits(states.last))
 
-    def accept(self, trees: list[Tree], tokens: list[torch.Tensor], states: States):
+    def accept(self, trees: list[Tree], tokens: list[torch.Tensor], states: PassStates):
         """Each row's accepted nodes (A_b+1,), root first, by the sampling settings' rule (`mtp.decoding.acceptance`) on
         the base model's logits after each node of the pass `states`, and the tokens they settle (the accepted
         candidates, then the bonus token)."""
@@ -210,7 +209,7 @@ class Batch:
         self,
         plan: Plan,
         trees: list[Tree],
-        states: States,
+        states: PassStates,
         nodes: list[torch.Tensor],
         settled: list,
         prefix_lens: torch.Tensor,

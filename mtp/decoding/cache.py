@@ -123,7 +123,7 @@ def keep_accepted(cache: DynamicCache, slots: torch.Tensor, nodes: list[torch.Te
         # (B, heads, T+Q, D) each layer's keys and values, or all layers' stacked in front (a compiled pass's cache)
         stacked = getattr(cache, "stacked", None)
         for states in stacked or [each for layer in cache.layers for each in (layer.keys, layer.values)]:
-            if len(index) == 1:  # a lone row: one index for every head (4x faster than the gather, 2-core AVX2 EPYC)
+            if len(index) == 1:  # a lone row: one index for every head (a few times faster than the gather)
                 states[..., length:end, :] = states.index_select(-2, index[0])
             else:
                 every = index[:, None, :, None].expand(*states.shape[:-2], -1, states.shape[-1])
@@ -139,7 +139,7 @@ def keep_accepted(cache: DynamicCache, slots: torch.Tensor, nodes: list[torch.Te
     return torch.cat([slots, new.masked_fill(accepted < 0, -1)], 1)
 
 
-def joined(states: list[torch.Tensor], others: list[torch.Tensor]) -> list[torch.Tensor]:
+def stack_rows(states: list[torch.Tensor], others: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each of `states` (B, G, S, D) with the rows of its partner in `others` (B', G, S', D) after its own, the
     shorter padded with empty slots at the end: (B + B', G, max(S, S'), D) each."""
     length = max(states[0].shape[2], others[0].shape[2])
@@ -150,7 +150,7 @@ def joined(states: list[torch.Tensor], others: list[torch.Tensor]) -> list[torch
     return [torch.cat([pad(state), pad(other)]) for state, other in zip(states, others, strict=True)]
 
 
-def kept(states: list[torch.Tensor], rows: torch.Tensor, filled: torch.Tensor) -> list[torch.Tensor]:
+def select_rows(states: list[torch.Tensor], rows: torch.Tensor, filled: torch.Tensor) -> list[torch.Tensor]:
     """Each of `states` (B, G, S, D) with only `rows` (B,) and the slots `filled` (S,) bool."""
     return [state[rows][:, :, filled] for state in states]
 
@@ -160,7 +160,7 @@ def append_rows(cache: DynamicCache, slots: torch.Tensor, other: DynamicCache, o
     slots; returns the slots of the joined rows."""
     length = max(slots.shape[1], other_slots.shape[1])
     for layer, new in zip(cache.layers, other.layers, strict=True):
-        layer.keys, layer.values = joined([layer.keys, layer.values], [new.keys, new.values])
+        layer.keys, layer.values = stack_rows([layer.keys, layer.values], [new.keys, new.values])
     return torch.cat([torch.nn.functional.pad(s, (0, length - s.shape[1]), value=-1) for s in (slots, other_slots)])
 
 
@@ -169,5 +169,5 @@ def keep_rows(cache: DynamicCache, slots: torch.Tensor, rows: torch.Tensor) -> t
     slots = slots[rows]
     filled = (slots >= 0).any(0)  # (T,)
     for layer in cache.layers:
-        layer.keys, layer.values = kept([layer.keys, layer.values], rows, filled)
+        layer.keys, layer.values = select_rows([layer.keys, layer.values], rows, filled)
     return slots[:, filled]

@@ -2,8 +2,8 @@
 cache, so that a pass over a tree costs about what the machine charges for streaming the weights once, not what
 eager kernels and per-operation overhead charge.
 
-Eager PyTorch pays per operation and multiplies a few rows by each weight matrix with kernels made for many; an
-eager pass over 4 nodes of SmolLM2-135M cost 1.5 to 1.65 one-token passes on our 2-core CPUs. Inductor fuses the
+Eager PyTorch pays per operation and multiplies a few rows by each weight matrix with kernels made for many, so an
+eager pass over a few nodes costs well over one a token. Inductor fuses the
 small operations and, on a CPU, with the weights frozen as constants, packs each weight once into the blocks of its
 C++ GEMM template for the pass's shapes; on a GPU `torch.compile` replays the pass as a CUDA graph. Both need fixed
 shapes, so the pass runs for a few node counts (`BUCKETS`: a tree is padded up to the next one with nodes that only
@@ -18,16 +18,14 @@ bucket runs eagerly over the static cache. The compiled pass computes the same f
 logits agree to rounding (tests/test_compiled.py), so greedy output is plain greedy output.
 
 On a CPU the pass is exported (`torch.export`) once for all buckets, the node count a dimension of its inputs, and
-compiled ahead of time into one AOTInductor package, with the static cache's tensors as inputs that it writes in
-place. The weights are frozen while it compiles (so that inductor packs each linear weight into its template's
-blocks) but not kept in it: the package's constants are the model's own tensors, given to it at load
-(`mtp.decoding.constants`), so a process holds the weights as the model does plus the linear weights once in blocks
-(SmolLM2's `decode.py` peaked at 1.8 GB resident after loading it; with a package per node count, each with its own
-copy, 5.1 GB). It is kept under mtp's cache folder (`passes/`, about 4 MB for SmolLM2), keyed by the machine, torch,
-transformers, the model's configuration and its weights, the buckets: the first load on a machine compiles (under 2
-minutes for SmolLM2's buckets 1, 4 and 8 on the 2-core AVX2 EPYC), a later process loads it in seconds. A decoder
-compiles the buckets it can use (plain decoding: bucket 1 alone, `compile_pass`). A package runs no Python and
-checks no guards between kernels. Inductor's settings for it, and its patches of inductor's code
+compiled ahead of time into one AOTInductor package, with the static cache's tensors as inputs that it writes in place.
+The weights are frozen while it compiles (so that inductor packs each linear weight into its template's blocks) but not
+kept in it: the package's constants are the model's own tensors, given to it at load (`mtp.decoding.constants`), so a
+process holds the weights as the model does plus the linear weights once in blocks. It is kept under mtp's cache folder
+(`passes/`, about 4 MB for SmolLM2), keyed by the machine, torch, transformers, the model's configuration and its
+weights, the buckets: the first load on a machine compiles (minutes), a later process loads it in seconds. A decoder
+compiles the buckets it can use (plain decoding: bucket 1 alone, `compile_pass`). A package runs no Python and checks no
+guards between kernels. Inductor's settings for it, and its patches of inductor's code
 generation (the linears kept matrix products of the frozen weights, the micro-kernel's accumulators in registers, 8
 rows at once, the CPU's vector instructions checked once per machine), are in `mtp.internals`.
 """
@@ -52,12 +50,12 @@ from transformers.cache_utils import Cache, StaticLayer
 from mtp import internals
 from mtp.decoding import constants
 from mtp.decoding.cache import grouped_keys, tree_attention_mask
-from mtp.decoding.target import States, Target
+from mtp.decoding.target import PassStates, Target
 from mtp.linears import usual_linears
 from mtp.machine import cache_dir, device_name
 
-BUCKETS = (1, 4, 8)  # node counts compiled, a tree padded up to the next (each 1 min to compile on 2 cores; 16 nodes
-# compiled ran no faster than eagerly on the Zen 4 EPYC: docs/reference-runs.md#compiled-passes)
+BUCKETS = (1, 4, 8)  # node counts compiled, a tree padded up to the next (16 nodes compiled ran no faster than
+# eagerly: docs/reference-runs.md#compiled-passes)
 LENGTH = 1024  # cache slots: prompt, answer and one pass's nodes must fit
 INDUCTOR_DIR = "TORCHINDUCTOR_CACHE_DIR"
 PACKAGES = 7  # the version of a packaged pass's code, in its key: raised when a change alters what a package computes
@@ -75,11 +73,9 @@ class CompiledPass:
         length: cache slots.
         templates: on a CPU, the products as inductor's C++ GEMM templates for their shapes, each weight packed into
             the template's blocks, not autotuned against ATen's products (False: ATen's products alone, which
-            compile faster: tests). Autotuning timed each product alone with its weight in the CPU's cache and, in
-            float32, chose ATen's for two of SmolLM2's products at 8 rows, where the pass streams every weight from
-            memory: that pass took 45.5 ms, against 34.6 ms with the templates alone (the 2-core Zen 4 EPYC); in
-            bfloat16, with the micro-kernel of `mtp.internals`, an 8-node pass took 25.9 ms with the
-            templates alone against 30.2 autotuned against oneDNN's products.
+            compile faster: tests). Autotuning times each product alone with its weight in the CPU's cache, where the
+            pass streams every weight from memory, and chose products that made the pass slower
+            (docs/reference-runs.md#compiled-passes).
     """
 
     def __init__(
@@ -188,7 +184,7 @@ class CompiledPass:
         tree_mask: torch.Tensor,
         slots: torch.Tensor,
         every_layer: bool = False,
-    ) -> States:
+    ) -> PassStates:
         """One pass over the nodes `tokens` (1, Q) at `positions` (1, Q), node i seeing node j iff `tree_mask`
         (1, Q, Q), after the filled slots `slots` (1, T) of the static cache: their states (every layer's if
         `every_layer`) and logits. Compiled, the pass is padded to its bucket; over more nodes than the largest bucket,
@@ -213,7 +209,7 @@ class CompiledPass:
         if every_layer and states is None:
             raise ValueError("This compiled pass gives no hidden states but the last: build it with every_layer=True.")
         states = tuple(layer[:, :queries] for layer in states) if every_layer else None
-        return States(hidden[:, :queries], states, logits[:, :queries])
+        return PassStates(hidden[:, :queries], states, logits[:, :queries])
 
     @torch.no_grad()
     def warm_up(self) -> None:
@@ -330,11 +326,11 @@ class CompiledPass:
             PACKAGES,
             self.buckets,
         ]
-        key.update(repr(parts).encode() + self._weights)
+        key.update(repr(parts).encode() + self._weights_digest)
         return cache_dir() / "passes" / f"{key.hexdigest()[:24]}-{'-'.join(map(str, self.buckets))}.pt2"
 
     @cached_property
-    def _weights(self) -> bytes:
+    def _weights_digest(self) -> bytes:
         """The weights as the packages' key holds them: each tensor's name and its sums over 64 stretches."""
         sums = [
             (name, torch.stack([part.sum(dtype=torch.float64) for part in weight.detach().reshape(-1).chunk(64)]))
@@ -360,7 +356,7 @@ def _compile(exported, path: str, settings: dict) -> str:
 
 def _guards(entries) -> list[bool]:
     """The compiled pass's guards: on its inputs and the module's type only. Checking every attribute of the model
-    before each pass cost 1.2 ms of a 23 ms one (SmolLM2, the 2-core Zen 4 EPYC)."""
+    before each pass costs a few percent of a pass."""
     keep = torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)
     own_type = [(entry.name, entry.guard_type) == ("self", "TYPE_MATCH") for entry in entries]
     return [kept or own for kept, own in zip(keep, own_type, strict=True)]
@@ -368,8 +364,7 @@ def _guards(entries) -> list[bool]:
 
 class _SeenCache(Cache):
     """A static cache whose layers give attention only the slots a pass sees, the first `seen` (its mask's length),
-    not every slot: attending 1024 slots after 256 filled cost 4 of a one-node pass's 23 ms, 9 of an 8-node pass's
-    41 (SmolLM2, the 2-core Zen 4 EPYC)."""
+    not every slot: attending every slot of a long cache costs a large share of a pass early in an answer."""
 
     seen: int | torch.SymInt = 0
     stacked: list[torch.Tensor] | None = None
@@ -377,7 +372,7 @@ class _SeenCache(Cache):
     step's accepted nodes move in every layer at once (`mtp.decoding.cache.keep_accepted`); None: apart."""
     lengths: torch.Tensor | None = None
     """(layers,) every layer's filled length (its `cumulative_length` a view of it), set at once after a step (one
-    in-place op, not one per layer: 30 took 0.15 ms of a step of SmolLM2, the 2-core AVX2 EPYC); None: apart."""
+    in-place op, not one per layer); None: apart."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
@@ -386,8 +381,8 @@ class _SeenCache(Cache):
 
 def _stacked(layers: list[StaticLayer]) -> list[torch.Tensor] | None:
     """The static `layers`' keys and values made views of two tensors (`_SeenCache.stacked`), each layer's part
-    contiguous as before; None, the layers left apart, if their shapes differ. With the nodes moved layer by layer
-    (60 gathers and 60 copies for SmolLM2), a step's commit took 0.91-0.96 ms, at once 0.69 (the 2-core AVX2 EPYC)."""
+    contiguous as before; None, the layers left apart, if their shapes differ. Moved at once, a step's accepted
+    nodes take one gather and one copy, not two a layer."""
     stacked = []
     for name in ("keys", "values"):
         own = [getattr(layer, name) for layer in layers]

@@ -110,8 +110,7 @@ def free_memory() -> None:
 
 def _pages(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """Memory for `numel` elements of `dtype`, in 2 MB pages where Linux gives them: a pass streams every weight, and
-    over 4 KB pages the walk through them costs TLB misses (SmolLM2's one-node pass ran about as fast as from the
-    package's own copy of its weights, up to 7% slower over separate tensors, on the 2-core AVX2 EPYC)."""
+    over 4 KB pages the walk through them costs TLB misses (a pass ran up to 7% slower over separate tensors)."""
     size, huge = numel * dtype.itemsize, 2 << 20
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(numel, dtype=dtype)

@@ -15,7 +15,7 @@ from mtp.decoding.compiled import CompiledPass
 from mtp.decoding.decoder import Decoder
 from mtp.decoding.lookup import Lookup
 from mtp.decoding.pacing import Candidate, Pacer, Plan, fastest
-from mtp.decoding.proposer import Drafts
+from mtp.decoding.proposer import DrafterProtocol
 from mtp.decoding.sampling import GREEDY
 from mtp.decoding.tree import Path, Tree
 from mtp.linears import usual_linears
@@ -48,7 +48,7 @@ def timed(call, device: torch.device) -> float:
 def measure_steps(
     model,
     tokenizer,
-    heads: Drafts,
+    heads: DrafterProtocol,
     paths: list[Path],
     context: int = CONTEXT,
     steps: int = 3,
@@ -112,8 +112,8 @@ def step_costs(timed: list[float], max_nodes: int) -> list[float]:
 
 
 def monotone(values: list[float]) -> list[float]:
-    """The non-decreasing sequence nearest to `values` in squares: each run out of order pooled into its mean (two
-    sizes of one compiled bucket, timed 36.7 and 30.0 ms on the AVX2 EPYC, both cost 33.4, not 36.7)."""
+    """The non-decreasing sequence nearest to `values` in squares: each run out of order pooled into its mean: two sizes
+    of one compiled bucket cost the same, and timing noise must not make the larger one look cheaper."""
     runs = []  # [mean, count] of each pooled run
     for value in values:
         runs.append([value, 1])
@@ -123,7 +123,7 @@ def monotone(values: list[float]) -> list[float]:
     return [mean for mean, count in runs for _ in range(count)]
 
 
-def machine_key(model, heads: Drafts, compiled: CompiledPass | None = None, context: int = CONTEXT) -> str:
+def machine_key(model, heads: DrafterProtocol, compiled: CompiledPass | None = None, context: int = CONTEXT) -> str:
     """What step costs depend on: the device (and threads), torch, the dtype and weights (`blocks_of`), the base
     model, the drafter's kind, the compiled pass's buckets, mtp's step code (STEPS)."""
     config = heads.config
@@ -160,7 +160,7 @@ def candidates(config, paths: list[Path], expected: list[float]) -> list[Candida
 def machine_pacer(
     model,
     tokenizer,
-    heads: Drafts,
+    heads: DrafterProtocol,
     candidates: list[Candidate],
     paths: list[Path],
     compiled: CompiledPass | None = None,
@@ -189,8 +189,8 @@ def machine_pacer(
         largest = compiled.buckets[-1] if cut else len(costs)  # (`mtp.decoding.batch.Batch.propose`)
         verified = [c for c in candidates if c.size <= last]
         if cut:  # a candidate sized as this pass verifies it comes before another's cut estimated to the same
-            fits = {(c.size, c.lookup) for c in verified if within(c, largest) is c}
-            verified = [w for c in verified if (w := within(c, largest)) is c or (w.size, w.lookup) not in fits]
+            fits = {(c.size, c.lookup) for c in verified if fit_to_pass(c, largest) is c}
+            verified = [w for c in verified if (w := fit_to_pass(c, largest)) is c or (w.size, w.lookup) not in fits]
         options = [
             (
                 Plan(trees[c.size], Lookup(c.lookup) if any(c.lookup) else None, c),
@@ -213,18 +213,13 @@ def machine_pacer(
     return Pacer({1: plans(1)}, measure=plans)
 
 
-def within(candidate: Candidate, largest: int) -> Candidate:
+def fit_to_pass(candidate: Candidate, largest: int) -> Candidate:
     """`candidate` as a pass of at most `largest` nodes verifies it: prompt lookup proposes no more tokens than fit
     beside the tree (the pass would drop the rest), and expects accepted the share of its saved acceptance that its
     new nodes keep (`Candidate.nodes`: steps with i new nodes keep min(i, room)); with no room left, none. Without
-    this, an 8-node tree with lookup expected lookup's saved acceptance on the compiled pass of 8 nodes, which
-    verified none of lookup's tokens: on the AVX2 EPYC pacing chose it and ran 1.16x the compiled plain loop over 16
-    MT-Bench first turns, where the 4-node tree with lookup, fixed, ran 1.41x over 8 (one per category). Kept whole,
-    the 6-node tree's lookup cut from 10 tokens to 2 expected 1.30 accepted a step, more than the 4-node tree's cut to
-    4 (1.28), and pacing chose it; over 12 MT-Bench first turns they accepted 0.21 and 0.35 (these shares: 0.28 and
-    0.54), and the 4-node tree ran 1.61x the compiled plain loop where pacing ran 1.40x (the AVX2 EPYC). An estimate
-    still: lookup's first tokens accept most (10 / 10 / 10 cut to 4 beside the 4-node tree: 0.54 estimated, 0.85
-    simulated on the held-out answers), so `machine_pacer` takes a candidate that sizing simulated cut so instead."""
+    this, pacing expected lookup's saved acceptance from an 8-node tree whose compiled pass verifies none of
+    lookup's tokens, and chose it. An estimate still: lookup's first tokens accept most, so the share undervalues a
+    cut lookup, and `machine_pacer` takes a candidate that sizing simulated cut so instead."""
     room = max(largest - candidate.size, 0)
     if candidate.reach <= room:
         return candidate

@@ -14,7 +14,7 @@ from mtp.decoding.batch import Batch
 from mtp.decoding.compiled import CompiledPass
 from mtp.decoding.lookup import Lookup
 from mtp.decoding.pacing import Pacer, Plan
-from mtp.decoding.proposer import Drafts, LookupProposer
+from mtp.decoding.proposer import DrafterProtocol, LookupProposer
 from mtp.decoding.sampling import GREEDY, Sampling
 from mtp.decoding.target import Target
 from mtp.decoding.tree import DynamicTree, Tree
@@ -69,7 +69,7 @@ class Decoder:
         self,
         base_model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
-        drafter: Drafts | None = None,
+        drafter: DrafterProtocol | None = None,
         tree: Tree | DynamicTree | None = None,
         lookup: Lookup | None = None,
         pacer: Pacer | None = None,

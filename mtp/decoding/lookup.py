@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 MAX_NGRAM = 3  # the longest match of `--lookup L` given as one number
-FULL = 10  # a match proposes from its latest occurrence that this many tokens follow (else from its latest)
+FULL_REACH = 10  # a match proposes from its latest occurrence that this many tokens follow (else from its latest)
 
 
 @dataclass(frozen=True)
@@ -36,13 +36,13 @@ class Lookup:
 
     def match(self, ids: torch.Tensor) -> tuple[int, list[int]]:
         """(n, chain): the longest suffix of `ids` (1D), n <= len(lengths) tokens, that occurred before, and up to
-        `reach` tokens that followed it there: at its latest occurrence followed by FULL tokens, else at its latest
-        one (which of them does not depend on `lengths`). (0, []) if no suffix occurred before."""
+        `reach` tokens that followed it there: at its latest occurrence followed by FULL_REACH tokens, else at its
+        latest one (which of them does not depend on `lengths`). (0, []) if no suffix occurred before."""
         for n in range(min(len(self.lengths), len(ids) - 1), 0, -1):
             starts = (ids.unfold(0, n, 1)[:-1] == ids[-n:]).all(1).nonzero()[:, 0]  # earlier windows equal to it
             if len(starts):
                 after = starts + n  # (M,) where each occurrence's continuation begins
-                full = after[after + FULL <= len(ids)]
+                full = after[after + FULL_REACH <= len(ids)]
                 begin = int(full[-1] if len(full) else after[-1])
                 return n, ids[begin : begin + self.reach].tolist()
         return 0, []

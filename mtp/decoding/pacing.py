@@ -24,12 +24,11 @@ from mtp.decoding.lookup import Lookup
 from mtp.decoding.tree import DynamicTree, Tree
 
 RATE = 0.05  # the weight of a step's acceptance in a row's running skill (about the last 20 steps count: at 0.3, a
-# few steps that accepted nothing, common for any drafter, dropped the tree; 16 MT-Bench first turns ran 1.19-1.22x
-# the compiled plain loop paced so, 1.28x as set here, 1.34-1.35x with the 4-node tree fixed, on the AVX2 EPYC)
-TRY = 0.3  # the weight of a try after sitting out: one that fails puts the drafter out again for a while
-RETURN = 0.02  # per step a drafter sits out, its skill moves this share of the way back to 1 (the average): a
+# few steps that accepted nothing, common for any drafter, dropped the tree)
+RETRY_WEIGHT = 0.3  # the weight of a try after sitting out: one that fails puts the drafter out again for a while
+RETURN_RATE = 0.02  # per step a drafter sits out, its skill moves this share of the way back to 1 (the average): a
 # drafter dropped for a prompt is tried again after a few steps, not every other one
-MIN_RETURN = RETURN / 8  # each failed try of a drafter halves its return (`Skill`), down to this
+MIN_RETURN_RATE = RETURN_RATE / 8  # each failed try of a drafter halves its return (`Skill`), down to this
 MAX_SKILL = 4.0  # a step's acceptance counts at most this many times what the candidate expects
 BATCH_SIZES = (2, 4, 8, 16)  # steps over at least this many rows get plans of their own
 
@@ -165,12 +164,12 @@ def fastest(options: list[tuple[Plan, float]], skills: list[tuple[float, float]]
 class Skill:
     """How many times the average a drafter's candidates are accepted in one row of late (`value`), and the share
     of the way back to the average it drifts each step the drafter sits out (`back`): halved by each try after
-    sitting out that accepts none of its candidates (down to MIN_RETURN), so that a drafter whose tries keep
-    failing is tried ever more rarely; back to RETURN when a step accepts any. A step in play weighs RATE, a try
-    after sitting out TRY."""
+    sitting out that accepts none of its candidates (down to MIN_RETURN_RATE), so that a drafter whose tries keep
+    failing is tried ever more rarely; back to RETURN_RATE when a step accepts any. A step in play weighs RATE, a try
+    after sitting out RETRY_WEIGHT."""
 
     value: float = 1.0
-    back: float = RETURN
+    back: float = RETURN_RATE
     resting: bool = False
     """The drafter sat out the last step."""
 
@@ -180,9 +179,9 @@ class Skill:
             self.value += self.back * (1.0 - self.value)
             self.resting = True
             return
-        self.value += (TRY if self.resting else RATE) * (min(accepted / expected, MAX_SKILL) - self.value)
+        self.value += (RETRY_WEIGHT if self.resting else RATE) * (min(accepted / expected, MAX_SKILL) - self.value)
         if accepted:
-            self.back = RETURN
+            self.back = RETURN_RATE
         elif self.resting:
-            self.back = max(self.back / 2, MIN_RETURN)
+            self.back = max(self.back / 2, MIN_RETURN_RATE)
         self.resting = False

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from mtp.decoding.pacing import Plan
-from mtp.decoding.target import States, Target
+from mtp.decoding.target import PassStates, Target
 from mtp.decoding.tree import DynamicTree, Tree
-from mtp.linears import drafting
+from mtp.linears import proposing
 
 
 class Proposer:
@@ -28,7 +28,7 @@ class Proposer:
     grafts = False
     """It hangs its candidates on a tree that another laid out (prompt lookup) rather than laying out one."""
 
-    def add(self, input_ids: torch.Tensor, states: States, root: int) -> None:
+    def add(self, input_ids: torch.Tensor, states: PassStates, root: int) -> None:
         """A row joins as the last: its prompt input_ids (T,), the prefill's states (of one row, T queries) and
         the first new token, `root`."""
 
@@ -37,14 +37,14 @@ class Proposer:
         says, its new nodes marked `source`; no node deeper than the row's room."""
         raise NotImplementedError
 
-    def accept(self, states: States, nodes: list[torch.Tensor], settled: list[list[int]]) -> None:
+    def accept(self, states: PassStates, nodes: list[torch.Tensor], settled: list[list[int]]) -> None:
         """After a verification pass: per row, the accepted nodes (A_b+1,) of the pass (`states`), root first,
         and the tokens they settled (the accepted candidates, then the bonus token)."""
 
     def keep(self, rows: list[bool]) -> None:
         """Keep the rows marked True, in order."""
 
-    def at_roots(self, input_ids: torch.Tensor, states: States, roots: list[int]) -> None:
+    def at_roots(self, input_ids: torch.Tensor, states: PassStates, roots: list[int]) -> None:
         """Rows join for steps at the positions `roots` of one sequence `input_ids` (T,), as if each were a prompt
         `input_ids[:p]` with the first new token `input_ids[p]`, from `states` of one pass over the whole sequence
         (for `mtp.tools.sizing`'s simulation of decoding)."""
@@ -52,7 +52,7 @@ class Proposer:
             self.add(input_ids[:p], states.prefix(p), int(input_ids[p]))
 
 
-class Drafts(Protocol):
+class DrafterProtocol(Protocol):
     """What decoding needs of a drafter, declared here so that decoding names no drafter: its proposer over the rows
     of a batch, the deepest tree node it can fill, and its config (its kind, for the step costs' key). The drafters
     (`mtp.drafters.contract.Drafter`) implement it."""
@@ -66,7 +66,7 @@ class Drafts(Protocol):
 
 
 @dataclass
-class Draft:
+class DraftTree:
     """What a drafter drafted so far this step, per row: node 0 the root, a node's parent before it."""
 
     tokens: torch.Tensor
@@ -100,7 +100,7 @@ class TreeProposer(Proposer):
 
     def propose(self, plan, trees, tokens, rooms, source):
         roots = torch.stack([row[:1] for row in tokens])  # (B, 1)
-        with drafting():  # (on a CPU from int8 rows: `mtp.linears.int8_drafts`)
+        with proposing():  # (on a CPU from int8 rows: `mtp.linears.uses_int8_rows`)
             if isinstance(plan.tree, DynamicTree):
                 return self.grow(plan.tree, roots, min(plan.tree.deepest, min(rooms)))
             tree = self.tree(plan.tree, min(rooms))
@@ -111,7 +111,7 @@ class TreeProposer(Proposer):
         """The token of every node of the static `tree` in each row: roots (B, 1) -> (B, N+1)."""
         batch = len(roots)
         tokens = torch.cat([roots, roots.new_zeros(batch, tree.size - 1)], 1)  # (B, N+1) filled level by level
-        draft = Draft(tokens, tree.parents[None].expand(batch, -1), tree.mask[None].expand(batch, -1, -1))
+        draft = DraftTree(tokens, tree.parents[None].expand(batch, -1), tree.mask[None].expand(batch, -1, -1))
         for depth, (nodes, rows, paths) in enumerate(tree.levels, 1):
             parents = paths[:, -1][None].expand(batch, -1)  # (B, P) the nodes whose children are drafted now
             best, _ = self.expand(draft, parents, depth, tree.top_k)  # (B, P, k)
@@ -121,7 +121,7 @@ class TreeProposer(Proposer):
     def grow(self, plan: DynamicTree, roots: torch.Tensor, depth: int) -> tuple[list[Tree], list[torch.Tensor]]:
         """Each row's tree for this step, grown by `plan` to `depth` levels, and its tokens."""
         batch, device, k = len(roots), roots.device, plan.top_k
-        draft = Draft(roots, torch.full_like(roots, -1), torch.ones(batch, 1, 1, dtype=torch.bool, device=device))
+        draft = DraftTree(roots, torch.full_like(roots, -1), torch.ones(batch, 1, 1, dtype=torch.bool, device=device))
         scores = torch.zeros(batch, 1, device=device)  # (B, M) each node's joint draft log-probability
         ranks = torch.full_like(roots, -1)  # (B, M) each node's rank among its parent's children
         frontier = torch.zeros_like(roots)  # (B, P) the nodes whose children are drafted next
@@ -133,7 +133,7 @@ class TreeProposer(Proposer):
             inherited = draft.ancestors.gather(1, parents[..., None].expand(-1, -1, size))  # (B, P k, M)
             itself = torch.eye(count, dtype=torch.bool, device=device).expand(batch, -1, -1)
             ancestors = torch.cat([F.pad(draft.ancestors, (0, count)), torch.cat([inherited, itself], -1)], 1)
-            draft = Draft(
+            draft = DraftTree(
                 torch.cat([draft.tokens, best.flatten(1)], 1), torch.cat([draft.parents, parents], 1), ancestors
             )
             scores = torch.cat([scores, joint], 1)
@@ -150,7 +150,7 @@ class TreeProposer(Proposer):
             tokens.append(draft.tokens[row, nodes])
         return trees, tokens
 
-    def expand(self, draft: Draft, nodes: torch.Tensor, depth: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def expand(self, draft: DraftTree, nodes: torch.Tensor, depth: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The top-k children of `nodes` (B, P) of each row's `draft`, all of depth `depth` - 1 (depth 1: the root,
         a new step): their token ids (B, P, k) and draft log-probabilities (B, P, k), most probable first."""
         raise NotImplementedError

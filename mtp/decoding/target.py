@@ -11,7 +11,7 @@ from mtp.internals import attention_implementation
 
 
 @dataclass
-class States:
+class PassStates:
     """What a pass of the base model gives the drafters, per row and query (node or prompt token)."""
 
     last: torch.Tensor
@@ -22,9 +22,9 @@ class States:
     logits: torch.Tensor | None = None
     """(B, Q, V) the base model's next-token logits after each query, where the pass computed them (verification)."""
 
-    def prefix(self, length: int) -> "States":
+    def prefix(self, length: int) -> "PassStates":
         """The states of the first `length` queries."""
-        return States(self.last[:, :length], self.layers and tuple(layer[:, :length] for layer in self.layers))
+        return PassStates(self.last[:, :length], self.layers and tuple(layer[:, :length] for layer in self.layers))
 
     def features(self, layers: list[int], row: int, nodes: torch.Tensor | slice) -> torch.Tensor:
         """(n, F) the concatenated hidden states at `layers` (the last ones for no layers) of `nodes` of `row`."""
@@ -103,8 +103,8 @@ class Target:
             "logits than plain decoding samples from: decode this model with its own `generate`."
         )
 
-    def run(self, every_layer: bool, **inputs) -> States:
+    def run(self, every_layer: bool, **inputs) -> PassStates:
         """One pass of the backbone over `inputs` (input_ids, cache, ...); with every layer's hidden states if
         `every_layer`."""
         out = self.backbone(**inputs, use_cache=True, output_hidden_states=every_layer)
-        return States(out.last_hidden_state, out.hidden_states if every_layer else None)
+        return PassStates(out.last_hidden_state, out.hidden_states if every_layer else None)

@@ -29,7 +29,7 @@ from mtp.decoding.target import Target
 from mtp.drafters.contract import Drafter, DrafterConfig
 from mtp.drafters.eagle_proposer import EagleProposer
 from mtp.internals import version
-from mtp.linears import int8_drafts, int8_product
+from mtp.linears import int8_product, uses_int8_rows
 
 # the base's rotary settings the drafter's layer takes: its type, theta and scaling (not a partial rotary factor:
 # the drafter rotates whole heads)
@@ -200,20 +200,8 @@ class Eagle(Drafter, kind="eagle"):
                 f"{folder / 'config.json'} names no feature layers: add `eagle_aux_hidden_state_layer_ids`"
                 f" (EAGLE-3's default for a base of L layers: [2, L // 2, L - 3])."
             )
-        files = sorted(folder.glob("model*.safetensors"))
-        if files:
-            stored = {name: tensor for file in files for name, tensor in load_file(file).items()}
-        elif (folder / "pytorch_model.bin").is_file():  # as SafeAILab/EAGLE's published drafters are stored
-            stored = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        else:
-            raise FileNotFoundError(
-                f"{folder / 'model.safetensors'} (or pytorch_model.bin) does not exist: an "
-                f"EAGLE-3 drafter keeps its weights there."
-            )
-        weights = {
-            name.removeprefix("model.").replace("layers.0.", "midlayer.", 1): tensor for name, tensor in stored.items()
-        }
-        vocab, heads = layer["vocab_size"], layer["num_attention_heads"]
+        weights = _eagle3_weights(folder)
+        vocab = layer["vocab_size"]
         d2t = weights.pop("d2t", None)
         for unused in ("t2d", "embed_tokens.weight"):  # the draft vocabulary is d2t's; embeddings are the base's
             weights.pop(unused, None)
@@ -223,18 +211,7 @@ class Eagle(Drafter, kind="eagle"):
                 f"{folder}: its d2t does not map draft ids to increasing target ids, as EAGLE-3's does: "
                 f"not an EAGLE-3 draft vocabulary."
             )
-        scaling = layer.get("rope_parameters") or layer.get("rope_scaling") or {}
-        rope = {"rope_type": scaling.get("type", "default"), "rope_theta": float(layer.get("rope_theta") or 10000.0)}
-        rope |= {k: v for k, v in scaling.items() if k in ROPE_KEYS and v is not None}
-        shape = {name: layer[name] for name in ("hidden_size", "num_attention_heads", "intermediate_size")}
-        shape |= {
-            "num_key_value_heads": layer.get("num_key_value_heads") or heads,
-            "head_dim": layer.get("head_dim") or layer["hidden_size"] // heads,
-            "hidden_act": layer.get("hidden_act", "silu"),
-            "rms_norm_eps": layer.get("rms_norm_eps", 1e-6),
-            "rope_parameters": rope,
-            "max_position_embeddings": layer.get("max_position_embeddings", 4096),
-        }
+        shape = _eagle3_layer(layer)
         tokens = raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"] if speculators else 3
         base = raw["speculators_config"]["verifier"].get("name_or_path", "") if speculators else ""
         config = DrafterConfig(
@@ -291,10 +268,10 @@ class Eagle(Drafter, kind="eagle"):
 
     def project(self, normed: torch.Tensor, base_lm_head: nn.Module) -> torch.Tensor:
         """Draft-vocabulary logits (..., D) of normed output features (..., H); drafting for decoding on a CPU
-        (`mtp.linears.int8_drafts`), from the rows as int8 (`mtp.linears.quantized_rows`, kept per weight), as the
+        (`mtp.linears.uses_int8_rows`), from the rows as int8 (`mtp.linears.quantized_rows`, kept per weight), as the
         heads draft."""
         weight = self.lm_head.weight if self.lm_head is not None else self._rows(base_lm_head)
-        if int8_drafts(weight.device) and not torch.is_grad_enabled():
+        if uses_int8_rows(weight.device) and not torch.is_grad_enabled():
             return int8_product(self, normed, weight)
         if self.lm_head is not None:
             return self.lm_head(normed)
@@ -355,3 +332,35 @@ class Eagle(Drafter, kind="eagle"):
             past = (keys, values) if past is None else (torch.cat([past[0], keys], 2), torch.cat([past[1], values], 2))
             feature = F.pad(hidden, (0, 0, 1, 0))[:, :-1]  # (B, L, H): entry i reads step k's output at i - 1
         return torch.stack(outputs)
+
+
+def _eagle3_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """An EAGLE-3 folder's weights, named as `Eagle` names them (its layer `midlayer`, no `model.` prefix)."""
+    files = sorted(folder.glob("model*.safetensors"))
+    if files:
+        stored = {name: tensor for file in files for name, tensor in load_file(file).items()}
+    elif (folder / "pytorch_model.bin").is_file():  # as SafeAILab/EAGLE's published drafters are stored
+        stored = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise FileNotFoundError(
+            f"{folder / 'model.safetensors'} (or pytorch_model.bin) does not exist: an "
+            f"EAGLE-3 drafter keeps its weights there."
+        )
+    return {name.removeprefix("model.").replace("layers.0.", "midlayer.", 1): tensor for name, tensor in stored.items()}
+
+
+def _eagle3_layer(layer: dict) -> dict:
+    """The draft layer's shape and rotary settings (`DrafterConfig.draft_layer`) from an EAGLE-3 config's fields."""
+    heads = layer["num_attention_heads"]
+    scaling = layer.get("rope_parameters") or layer.get("rope_scaling") or {}
+    rope = {"rope_type": scaling.get("type", "default"), "rope_theta": float(layer.get("rope_theta") or 10000.0)}
+    rope |= {k: v for k, v in scaling.items() if k in ROPE_KEYS and v is not None}
+    shape = {name: layer[name] for name in ("hidden_size", "num_attention_heads", "intermediate_size")}
+    return shape | {
+        "num_key_value_heads": layer.get("num_key_value_heads") or heads,
+        "head_dim": layer.get("head_dim") or layer["hidden_size"] // heads,
+        "hidden_act": layer.get("hidden_act", "silu"),
+        "rms_norm_eps": layer.get("rms_norm_eps", 1e-6),
+        "rope_parameters": rope,
+        "max_position_embeddings": layer.get("max_position_embeddings", 4096),
+    }

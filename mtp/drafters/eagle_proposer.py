@@ -4,7 +4,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from mtp.decoding.cache import joined, kept
+from mtp.decoding.cache import select_rows, stack_rows
 from mtp.decoding.proposer import TreeProposer
 from mtp.decoding.target import Target
 
@@ -49,7 +49,7 @@ class EagleProposer(TreeProposer):
             self.keys, self.values, self.seen = keys, values, seen
         else:  # the shorter of the old rows and the new one padded with unseen slots
             size = max(self.keys.shape[2], length)
-            self.keys, self.values = joined([self.keys, self.values], [keys, values])
+            self.keys, self.values = stack_rows([self.keys, self.values], [keys, values])
             self.seen = torch.cat([F.pad(self.seen, (0, size - self.seen.shape[1])), F.pad(seen, (0, size - length))])
         self.state.append(out[0, -1])
         self.positions.append(length)
@@ -122,5 +122,5 @@ class EagleProposer(TreeProposer):
             return
         rows = torch.tensor(rows, device=self.target.device)
         filled = self.seen[rows].any(0)  # (S,) slots some kept row still sees
-        self.keys, self.values = kept([self.keys, self.values], rows, filled)
+        self.keys, self.values = select_rows([self.keys, self.values], rows, filled)
         self.seen = self.seen[rows][:, filled]

@@ -12,7 +12,7 @@ from mtp.decoding.proposer import TreeProposer
 from mtp.decoding.target import Target
 from mtp.drafters.contract import Drafter, DrafterConfig
 from mtp.internals import version
-from mtp.linears import draft_linear, int8_drafts, narrow_rows, product, quantized_product, quantized_rows
+from mtp.linears import draft_linear, narrow_rows, product, quantized_product, quantized_rows, uses_int8_rows
 
 
 def following_tokens(input_ids: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -116,7 +116,7 @@ class Heads(Drafter):
         _, weights = self._draft_rows(base_lm_head)  # (K or 1, N, H)
         flat = states.flatten(1, -2) if states.dim() > 2 else states[:, None]  # (K, M, H)
         rows = weights if self.projections is None else weights[first : first + len(states)]  # shared: broadcast
-        if len(rows) == 1 and int8_drafts(flat.device) and not torch.is_grad_enabled():
+        if len(rows) == 1 and uses_int8_rows(flat.device) and not torch.is_grad_enabled():
             if self._quantized is None:  # the rows as int8, once per gather
                 self._quantized = [quantized_rows(each) for each in weights]
             logits = quantized_product(flat, self._quantized[0 if self.projections is None else first])
@@ -127,7 +127,7 @@ class Heads(Drafter):
         return logits.reshape(*states.shape[:-1], -1)  # (K, ..., N)
 
     def _states(self, hidden: torch.Tensor, following, first: int, last: int) -> torch.Tensor:
-        """States of heads first .. last-1: (K, ..., H)."""
+        """PassStates of heads first .. last-1: (K, ..., H)."""
         return torch.stack([self.state(k, hidden, following) for k in range(first, last)])
 
     def _project_whole(self, states: torch.Tensor, base_lm_head: nn.Module, first: int = 0) -> torch.Tensor:
@@ -147,9 +147,9 @@ class Heads(Drafter):
         """The draft vocabulary's ids (N,) and its rows of the projections (K or 1, N, H), gathered once per
         draft vocabulary and projection weights (the gather copies N x H floats: too much to repeat every step); with
         them, the row counts for which the product with these rows runs faster as W x^T here (`self._narrow`,
-        `mtp.linears.narrow_rows`: 3x faster for one row and 8,192 rows of SmolLM2's lm_head on the Zen 4 EPYC).
+        `mtp.linears.narrow_rows`).
         Drafting for decoding on a CPU quantizes them to int8 on first use (`self._quantized`,
-        `mtp.linears.int8_drafts`: a quarter of the bytes that a level of the tree streams)."""
+        `mtp.linears.uses_int8_rows`: a quarter of the bytes that a level of the tree streams)."""
         sources = [base_lm_head.weight] if self.projections is None else [p.weight for p in self.projections]
         # the draft list itself is in the key (compared by identity first, then by value): a new list is new rows
         key = [self.config.draft_vocab, *((w.data_ptr(), version(w), w.device, w.dtype) for w in sources)]

@@ -126,8 +126,6 @@ def to_eagle3(drafter: Drafter, base_model, out: str | Path, speculators: bool =
             f"The drafter's MLP uses {layer['hidden_act']!r}; the engines' EAGLE-3 layer is a SiLU "
             f"Llama layer: decode it with mtp."
         )
-    rope = dict(layer["rope_parameters"])
-    theta = rope.pop("rope_theta")
     draft = drafter.draft_ids
     rows = drafter.lm_head.weight if drafter.lm_head is not None else base_model.get_output_embeddings().weight[draft]
     tensors = {name: tensor for name, tensor in drafter.state_dict().items() if name not in ("d2t", "t2d")}
@@ -137,28 +135,7 @@ def to_eagle3(drafter: Drafter, base_model, out: str | Path, speculators: bool =
     if speculators:
         tensors = {name.replace("midlayer.", "layers.0.", 1): tensor for name, tensor in tensors.items()}
     dtype = next(iter(tensors.values())).dtype
-    fields = (
-        "hidden_size",
-        "intermediate_size",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "hidden_act",
-        "rms_norm_eps",
-        "max_position_embeddings",
-    )
-    llama = {
-        "model_type": "llama",
-        **{name: layer[name] for name in fields},
-        "rope_theta": theta,
-        "rope_scaling": None if rope["rope_type"] == "default" else rope,
-        "num_hidden_layers": 1,
-        "vocab_size": config.vocab_size,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-    }
+    llama = _llama_layer(layer, config.vocab_size, dtype)
     shared = {
         "draft_vocab_size": len(draft),
         "target_hidden_size": config.hidden_size,
@@ -167,32 +144,7 @@ def to_eagle3(drafter: Drafter, base_model, out: str | Path, speculators: bool =
         "num_aux_hidden_states": len(ids),
     }
     if speculators:
-        depth = max((len(path) for path in config.tree or []), default=0) or config.num_heads  # the sized tree's
-        depth = DynamicTree.parse(config.dynamic_tree).deepest if config.dynamic_tree else depth
-        architectures = base_model.config.architectures or [type(base_model).__name__]
-        verifier = {"name_or_path": config.base_model, "architectures": architectures}
-        exported = {
-            "speculators_model_type": "eagle3",
-            "architectures": ["Eagle3Speculator"],
-            "speculators_config": {
-                "algorithm": "eagle3",
-                "default_proposal_method": "greedy",
-                "verifier": verifier,
-                "proposal_methods": [
-                    {
-                        "proposal_type": "greedy",
-                        "speculative_tokens": depth,
-                        "verifier_accept_k": 1,
-                        "accept_tolerance": 0.0,
-                    }
-                ],
-            },
-            "transformer_layer_config": llama,
-            **shared,
-            "norm_before_fc": False,
-            "fc_norm": False,
-            "norm_output": False,
-        }
+        exported = _speculators_config(config, base_model, llama, shared)
     else:
         sglang = {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids]}  # its count
         exported = {"architectures": ["LlamaForCausalLMEagle3"], **llama, **shared, "eagle_config": sglang}
@@ -283,3 +235,63 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _llama_layer(layer: dict, vocab_size: int, dtype: torch.dtype) -> dict:
+    """The drafter's layer (`DrafterConfig.draft_layer`) as the fields of a one-layer Llama config, as the engines
+    read an EAGLE-3 drafter's."""
+    rope = dict(layer["rope_parameters"])
+    theta = rope.pop("rope_theta")
+    fields = (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_act",
+        "rms_norm_eps",
+        "max_position_embeddings",
+    )
+    return {
+        "model_type": "llama",
+        **{name: layer[name] for name in fields},
+        "rope_theta": theta,
+        "rope_scaling": None if rope["rope_type"] == "default" else rope,
+        "num_hidden_layers": 1,
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def _speculators_config(config, base_model, llama: dict, shared: dict) -> dict:
+    """The config.json of vLLM's speculators format for the drafter of `config`: its verifier, its greedy proposal
+    as deep as the drafter's tree, the Llama layer and the fields it shares with EAGLE-3's."""
+    depth = max((len(path) for path in config.tree or []), default=0) or config.num_heads  # the sized tree's
+    depth = DynamicTree.parse(config.dynamic_tree).deepest if config.dynamic_tree else depth
+    architectures = base_model.config.architectures or [type(base_model).__name__]
+    verifier = {"name_or_path": config.base_model, "architectures": architectures}
+    return {
+        "speculators_model_type": "eagle3",
+        "architectures": ["Eagle3Speculator"],
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "verifier": verifier,
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": depth,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+        },
+        "transformer_layer_config": llama,
+        **shared,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+    }

@@ -6,14 +6,14 @@ and what each accepts per step (`mtp.decoding.pacing.Candidate`)."""
 import torch
 import torch.nn.functional as F
 
-from mtp.decoding.lookup import FULL, Lookup
+from mtp.decoding.lookup import FULL_REACH, Lookup
 from mtp.decoding.pacing import Candidate, Plan
-from mtp.decoding.target import States, Target
+from mtp.decoding.target import PassStates, Target
 from mtp.decoding.tree import DynamicTree, Path
 from mtp.drafters.contract import Drafter
-from mtp.linears import drafting
+from mtp.linears import proposing
 
-LOOKUP_LENGTHS = tuple(range(FULL + 1))  # prompt-lookup tokens after a match that sizing chooses from
+LOOKUP_LENGTHS = tuple(range(FULL_REACH + 1))  # prompt-lookup tokens after a match that sizing chooses from
 
 
 def answer_roots(mask: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -44,7 +44,7 @@ def held_out_roots(model, heads: Drafter, paths: list[Path], examples: list, loo
         layers = heads.config.feature_layers
         out = backbone(input_ids=ids[None].to(model.device), output_hidden_states=bool(layers))
         features = torch.cat([out.hidden_states[i][0] for i in layers], -1) if layers else None  # (T, F)
-        with drafting():  # the guesses as decoding drafts them
+        with proposing():  # the guesses as decoding drafts them
             guesses = heads.path_guesses(
                 out.last_hidden_state[0], features, ids.to(model.device), model.get_output_embeddings(), embed, top_k
             ).cpu()  # (K, T, k)
@@ -79,7 +79,7 @@ def grown_accepts(model, heads: Drafter, examples: list, plan: DynamicTree, chun
         left, roots = answer_roots(mask)
         ids = ids.to(target.device)
         out = target.backbone(input_ids=ids[None], output_hidden_states=bool(layers))
-        states = States(out.last_hidden_state, out.hidden_states if layers else None)
+        states = PassStates(out.last_hidden_state, out.hidden_states if layers else None)
         # as decoding would, a root grows no deeper than its room (the answer tokens after it, but the last); the
         # roots of one room at a time
         rooms = {p: min(plan.deepest, left[p] - 1) for p in roots}
@@ -170,7 +170,7 @@ def best_lookup(
     return lengths, best
 
 
-def spread(examples: list, count: int) -> list:
+def evenly_spaced(examples: list, count: int) -> list:
     """`count` of `examples` ((ids, mask, ...)) evenly spaced over those with distinct answers: held-out sets repeat
     short answers (the distilled ones begin with 24 greetings to "hello" and the like), which would fill a sample
     of their first few and say nothing of longer answers."""

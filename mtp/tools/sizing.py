@@ -32,7 +32,7 @@ import torch
 from mtp.decoding.compiled import compile_pass
 from mtp.decoding.costs import SIZES, cut_lookup, machine_key, measure_steps, step_costs, timed, timed_sizes
 from mtp.decoding.decoder import Decoder
-from mtp.decoding.lookup import FULL, MAX_NGRAM, Lookup
+from mtp.decoding.lookup import FULL_REACH, MAX_NGRAM, Lookup
 from mtp.decoding.pacing import Plan
 from mtp.decoding.sampling import GREEDY
 from mtp.decoding.tree import DynamicTree, Path, Tree, grow_tree
@@ -44,10 +44,10 @@ from mtp.tools.simulate import (
     LOOKUP_LENGTHS,
     acceptance,
     best_lookup,
+    evenly_spaced,
     grown_accepts,
     held_out_roots,
     simulate,
-    spread,
 )
 from mtp.training.data import add_held_out_arguments, held_out
 
@@ -59,8 +59,8 @@ DYNAMIC_ANSWERS = 24  # distinct held-out answers they are simulated on (every r
 def measure_drafting(model, tokenizer, heads: Drafter, plans: list, context: int, steps: int = 6) -> list[float]:
     """Seconds the drafters take to propose one step's tree, for each plan (a static `Tree` or a `DynamicTree`),
     after a prompt of `context` random tokens: the median of `steps` proposals after a warm-up step, without
-    gradients, as decoding proposes (with them, a 2-node tree's took 18.7 ms against 0.78 on the AVX2 EPYC: the
-    heads' float products, recorded for autograd)."""
+    gradients, as decoding proposes (with them, the heads' float products are recorded for autograd, many times
+    slower)."""
     prompt = torch.randint(len(tokenizer), (1, context), generator=torch.Generator().manual_seed(0))
     seconds = []
     for plan in plans:
@@ -143,9 +143,9 @@ def expected_speedups(
     table["acceptance"] = []  # the candidates mtp.load weighs on the machine it runs on: per timed size, no
     for size in timed_sizes(paths, 1):  # lookup, the lookup that paid most here, and the longest, the longest also
         depth = max(map(len, paths[: size - 1]), default=0)  # as the compiled pass verifies it (`room`)
-        settings = {(), tuple(table["lookup"][size - 1]["lengths"]), (FULL,) * MAX_NGRAM}
+        settings = {(), tuple(table["lookup"][size - 1]["lengths"]), (FULL_REACH,) * MAX_NGRAM}
         if room(size) is not None:  # simulated as cut: lookup's first tokens accept most, so the share of its
-            # nodes that fit (`mtp.decoding.costs.within`) undervalues it (10 / 10 / 10 cut to 4 beside the 4-node
+            # nodes that fit (`mtp.decoding.costs.fit_to_pass`) undervalues it (10 / 10 / 10 cut to 4 beside the 4-node
             # tree: 0.54 accepted a step expected, 0.85 simulated on the held-out answers)
             settings |= {cut_lookup(lengths, room(size)) for lengths in settings}
         for lengths in sorted({lengths if any(lengths) else () for lengths in settings}):
@@ -158,10 +158,10 @@ def dynamic_trees(
     model, tokenizer, heads: Drafter, paths: list[Path], examples: list, costs: list[float], context: int
 ) -> list[dict]:
     """Per timed size n > 1: the dynamic tree of n nodes (of DYNAMIC_DEPTHS x DYNAMIC_TOP_K) with the most tokens
-    per second on DYNAMIC_ANSWERS of `examples` (`spread`), with and without the best lookup, beside the static
+    per second on DYNAMIC_ANSWERS of `examples` (`evenly_spaced`), with and without the best lookup, beside the static
     n-node tree on the same answers. A dynamic step costs the static one's step (`costs`) with the static tree's
     drafting time replaced by its own (both timed)."""
-    examples = spread(examples, DYNAMIC_ANSWERS)
+    examples = evenly_spaced(examples, DYNAMIC_ANSWERS)
     roots = held_out_roots(model, heads, paths, examples, Lookup((max(LOOKUP_LENGTHS),) * MAX_NGRAM))
     sizes = [size for size in timed_sizes(paths, 1) if size > 1]
     static = [Tree.from_paths(paths[: size - 1]) for size in timed_sizes(paths, 1)]

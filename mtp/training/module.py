@@ -30,14 +30,14 @@ from mtp.training.loss import (
     weighted,
 )
 from mtp.training.memory import estimate, memory_line
-from mtp.training.settings import Drafting, Loss, Optim
+from mtp.training.settings import DrafterSettings, Loss, Optim
 
 TOP_K = (1, 5)
 # Lightning warns about modules in eval mode when training starts: the frozen base is, on purpose.
 warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode")
 
 
-def build_drafter(model: nn.Module, tokenizer, identity: dict, drafting: Drafting) -> Drafter:
+def build_drafter(model: nn.Module, tokenizer, identity: dict, drafting: DrafterSettings) -> Drafter:
     """The drafter `drafting` asks for, over `model` (`identity`: `base_identity`'s fields, the name it was loaded
     from among them), in float32 (the master weights under mixed precision); started from the drafter in
     `drafting.init` where it names one."""
@@ -79,7 +79,7 @@ class DrafterModule(L.LightningModule):
     def __init__(
         self,
         base_model: str = DEFAULT_BASE,
-        drafter: Drafting = Drafting(),
+        drafter: DrafterSettings = DrafterSettings(),
         loss: Loss = Loss(),
         optim: Optim = Optim(),
         lora: Lora | None = None,
@@ -91,7 +91,7 @@ class DrafterModule(L.LightningModule):
 
         Args:
             base_model: the base model (see `mtp.base.load_base`): packaged default, folder, .gguf, .json, hub id.
-            drafter: the drafter to build (`mtp.training.settings.Drafting`: its kind, heads, layers, lm_head,
+            drafter: the drafter to build (`mtp.training.settings.DrafterSettings`: its kind, heads, layers, lm_head,
                 features read, draft vocabulary, a folder to start from).
             loss: what it learns and how the heads' losses add up (`mtp.training.settings.Loss`).
             optim: AdamW's peak learning rate, weight decay and warmup (`mtp.training.settings.Optim`).
@@ -109,7 +109,7 @@ class DrafterModule(L.LightningModule):
         # from a checkpoint's hyperparameters, where they are plain values (so that checkpoints load weights_only)
         drafter, loss, optim = (
             kind(**value) if isinstance(value, dict) else value
-            for kind, value in ((Drafting, drafter), (Loss, loss), (Optim, optim))
+            for kind, value in ((DrafterSettings, drafter), (Loss, loss), (Optim, optim))
         )
         lora = Lora(**lora) if isinstance(lora, dict) else lora
         self.save_hyperparameters(ignore=["drafter", "loss", "optim", "lora"])

@@ -8,7 +8,7 @@ from mtp.training.loss import default_weights
 
 
 @dataclass(frozen=True)
-class Drafting:
+class DrafterSettings:
     """The drafter that trains."""
 
     head_type: str = "medusa"
