@@ -1,6 +1,8 @@
-// mtp's products by weights kept in blocks of 32 (`mtp.quantized`), for the few input rows of a decoding step on an
-// AVX2 CPU: each block's weights are unpacked in registers and multiplied in float32, so a pass streams 4 or 8 bits
-// a weight from memory instead of 32. Built once per machine and torch by `mtp.quantized.kernels`.
+// mtp's CPU kernels (AVX2, float32 sums): products by weights kept in blocks of 32 (`mtp.quantized`), for the few
+// input rows of a decoding step, each block's weights unpacked in registers so that a pass streams 4 or 8 bits a
+// weight from memory instead of 32; and products by float weights kept only in a compiled pass's blocks
+// (`mtp.decoding.constants.PanelLinear`), for any row count. Built once per machine and torch by
+// `mtp.quantized.kernels`.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -139,13 +141,106 @@ at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sca
   return blocks_mm<false>(x, q, scale, scale);
 }
 
+constexpr int TILE = 12;  // rows of x packed together (k-major), so that a tile's inputs are one stream
+
+// out[:, c0 .. c0 + 8S) for R rows of x by one panel's strips s0 .. s0 + S: `xp` the rows' inputs within their
+// packed tile (row r's input k at xp[k * TILE + r]); a panel is K rows of `bn` weights (the compiled pass's blocked
+// layout, (N / bn, K, bn)), a strip 8 of its columns; R x S accumulators.
+template <int R, int S>
+inline void panel_tile(const float* xp, int64_t K, const float* w, int64_t bn, float* out, int64_t N, int64_t c0) {
+  __m256 acc[R][S];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int s = 0; s < S; ++s) acc[r][s] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {  // (unrolled, so that GCC keeps the accumulators in registers)
+    __m256 wv[S];
+#pragma GCC unroll 2
+    for (int s = 0; s < S; ++s) wv[s] = _mm256_loadu_ps(w + k * bn + 8 * s);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(xp + k * TILE + r);
+#pragma GCC unroll 2
+      for (int s = 0; s < S; ++s) acc[r][s] = _mm256_fmadd_ps(xv, wv[s], acc[r][s]);
+    }
+  }
+#pragma GCC unroll 2
+  for (int s = 0; s < S; ++s) {
+    const int64_t c = c0 + 8 * s, valid = std::min<int64_t>(8, N - c);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      if (valid == 8) {
+        _mm256_storeu_ps(out + r * N + c, acc[r][s]);
+      } else if (valid > 0) {  // the last panel's columns past N (zero weights) are not stored
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, acc[r][s]);
+        for (int64_t j = 0; j < valid; ++j) out[r * N + c + j] = lanes[j];
+      }
+    }
+  }
+}
+
+// Every row of x (packed in tiles) by one panel's strips s0 .. s0 + S: R rows at a time, 12 accumulators in all
+// with one strip or two (of 16 vector registers).
+template <int S>
+void panel_rows(const float* packed, int64_t M, int64_t K, const float* w, int64_t bn, float* out, int64_t N,
+                int64_t c0) {
+  constexpr int R = TILE / S;
+  for (int64_t first = 0; first < M; first += R) {
+    const float* xp = packed + first / TILE * TILE * K + first % TILE;
+    float* o = out + first * N;
+    switch (std::min<int64_t>(R, M - first)) {
+#define PANEL_CASE(C) case C: if constexpr (C <= R) panel_tile<C, S>(xp, K, w, bn, o, N, c0); break;
+      PANEL_CASE(1) PANEL_CASE(2) PANEL_CASE(3) PANEL_CASE(4) PANEL_CASE(5) PANEL_CASE(6) PANEL_CASE(7)
+      PANEL_CASE(8) PANEL_CASE(9) PANEL_CASE(10) PANEL_CASE(11) PANEL_CASE(12)
+      default: break;
+    }
+  }
+}
+
+// x (M, K) times a linear layer's weight (N, K) kept only as panels (N / bn, K, bn), rows past N zero: (M, N), each
+// output the sum over k in order, so a row's output is the same whatever the rows beside it (a prompt's prefill, a
+// tree, a batch).
+at::Tensor panel_mm(const at::Tensor& x, const at::Tensor& panels, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be (rows, in) float32");
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.is_contiguous(),
+              "panels must be contiguous float32 (N / bn, K, bn)");
+  const int64_t M = x.size(0), K = x.size(1), count = panels.size(0), bn = panels.size(2);
+  TORCH_CHECK(panels.size(1) == K && bn % 8 == 0 && (count - 1) * bn < N && N <= count * bn,
+              "panels and input widths do not match");
+  at::Tensor xc = x.contiguous();
+  const float* xs = xc.data_ptr<float>();
+  std::vector<float> packed((M + TILE - 1) / TILE * TILE * K, 0.f);  // tile t: [k][r] = x[t * TILE + r][k]
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) packed[m / TILE * TILE * K + k * TILE + m % TILE] = xs[m * K + k];
+  at::Tensor out = at::empty({M, N}, x.options());
+  const float* ws = panels.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t strips = bn / 8, pairs = (strips + 1) / 2;  // two strips a task where there are two
+  at::parallel_for(0, count * pairs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t panel = task / pairs, strip = 2 * (task % pairs);
+      const float* w = ws + panel * K * bn + 8 * strip;
+      const int64_t c0 = panel * bn + 8 * strip;
+      if (strip + 1 < strips) {
+        panel_rows<2>(packed.data(), M, K, w, bn, o, N, c0);
+      } else {
+        panel_rows<1>(packed.data(), M, K, w, bn, o, N, c0);
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(mtp, m) {
   m.def("q4_mm(Tensor x, Tensor q, Tensor scale, Tensor minimum) -> Tensor");
   m.def("q8_mm(Tensor x, Tensor q, Tensor scale) -> Tensor");
+  m.def("panel_mm(Tensor x, Tensor panels, int n) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(mtp, CPU, m) {
   m.impl("q4_mm", &q4_mm);
   m.impl("q8_mm", &q8_mm);
+  m.impl("panel_mm", &panel_mm);
 }

@@ -250,6 +250,7 @@ def kernels() -> bool:
         return False
     for name in ("q4_mm", "q8_mm"):  # their output's shape, for export and the compiled pass
         torch.library.register_fake(f"mtp::{name}")(lambda x, q, *rest: x.new_empty(x.shape[0], q.shape[0]))
+    torch.library.register_fake("mtp::panel_mm")(lambda x, blocks, n: x.new_empty(x.shape[0], n))
     return True
 
 

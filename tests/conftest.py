@@ -2,6 +2,8 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub; set before transformers is imported
 os.environ["MTP_COMPILE"] = "0"  # mtp.load and the command lines decode eagerly here; tests/test_compiled.py compiles
+if "PYTEST_XDIST_WORKER" in os.environ:  # a worker per core (scripts/test.sh): one thread each, not one per core each
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import itertools  # noqa: E402
 import math  # noqa: E402

@@ -5,6 +5,8 @@ that does not compile). Compiled with ATen's products (templates=False, which co
 which changes kernels, not what they compute."""
 
 import json
+import mmap
+import struct
 import sys
 import threading
 import types
@@ -19,7 +21,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 from torch._inductor import config as inductor_config
 from torch._inductor.cpu_vec_isa import pick_vec_isa
-from transformers import DynamicCache
+from transformers import AutoModelForCausalLM, DynamicCache
 
 import mtp.decoding.compiled as compiled_module
 from mtp import internals
@@ -33,7 +35,7 @@ from mtp.decoding.lookup import Lookup
 from mtp.decoding.target import Target
 from mtp.decoding.tree import Tree
 from mtp.machine import device_name
-from mtp.quantized import quantize
+from mtp.quantized import kernels, quantize
 
 SMALL = Tree.from_paths([(0,), (1,), (0, 0)])  # 4 nodes: bucket 4; TREE (10 nodes) is past the largest bucket
 
@@ -116,21 +118,88 @@ def test_the_cpp_gemm_templates_a_cpu_compiles_by_default_give_the_eager_logits(
     model = tiny_model(seed=2, attn_implementation=attention)
     compiled = CompiledPass(Target(model), buckets=(bucket,), length=64)
     assert_the_eager_logits(compiled, model, tokenizer(PROMPT, return_tensors="pt").input_ids, *FORK)
-    # the package holds no weights: each constant it reads is one of the model's tensors (or its transpose) in place,
-    # or a linear layer's weight in the template's blocks, made at load; every linear weight is read so
+    # the package holds no weights: each constant it reads is one of the model's tensors in place, or a linear
+    # layer's weight in the template's blocks, made at load; a decoder layer's linear whose weight it reads in blocks
+    # alone then holds its weight in those blocks (the rest, read as ATen's products read them, keep theirs)
     recipes = json.loads(compiled._package_path().with_suffix(".json").read_text())
     assert load_file(str(compiled._package_path().with_suffix(".safetensors"))) == {}
-    tensors, read = compiled._tensors, set()
+    tensors, forms = compiled._tensors, {}
     for constant, (name, form, _) in recipes.items():
-        value, tensor = compiled._constants[constant], tensors[name]
+        if constant not in compiled._constants:  # recorded while compiling, not read by the package
+            continue
+        value, forms[name] = compiled._constants[constant], forms.get(name, set()) | {form}
         if form == "blocked":
-            assert torch.equal(value.transpose(1, 2).reshape(-1, tensor.shape[1])[: tensor.shape[0]], tensor)
-            read.add(name)
+            own = tensors.get(name.removesuffix("weight") + "blocks")
+            assert (
+                value is own
+                if own is not None
+                else torch.equal(value, constants.blocked(tensors[name], value.shape[2]))
+            )
         else:
-            assert value.data_ptr() == tensor.data_ptr()
-            assert value.shape == (tensor.t() if form == "t" else tensor).shape
-    linears = {f"{name}.weight" for name, module in compiled._forward.named_modules() if isinstance(module, nn.Linear)}
-    assert read == linears
+            assert value.data_ptr() == tensors[name].data_ptr()
+    layers = list(compiled._forward.backbone.named_modules())
+    held = {name for name, m in layers if isinstance(m, constants.PanelLinear)}
+    only_blocked = {name for name, read in forms.items() if read == {"blocked"} and name.startswith("backbone.")}
+    assert {f"backbone.{name}.weight" for name in held} == only_blocked and held  # (which: autotuning's choice)
+    assert all(type(m) is not nn.Linear or f"backbone.{name}.weight" in forms for name, m in layers)
+    assert_the_eager_logits(compiled, model, tokenizer(PROMPT, return_tensors="pt").input_ids, *FORK)  # eager: kernel
+    again = CompiledPass(Target(model), buckets=(bucket,), length=64)  # the key unchanged: no second compile
+    assert again._package_path() == compiled._package_path()
+
+
+def test_the_blocks_kernel_multiplies_by_a_weight_held_in_blocks_alike_for_every_row_count():
+    """`PanelLinear`'s product (`panel_mm`): x W^T to float32 rounding for block widths of 8 to 32 columns, widths
+    that are no multiple of them and any row count; each row's output bit for bit the same alone or among others (a
+    prompt's prefill, a tree and a batch compute a row alike)."""
+    if not kernels():
+        pytest.skip("no AVX2 here: mtp's kernels are not built, and layers keep their weights")
+    generator = torch.Generator().manual_seed(0)
+    for rows, inner, bn in [(576, 576, 8), (192, 64, 16), (100, 40, 24), (13, 5, 32)]:
+        weight, bias = torch.randn(rows, inner, generator=generator), torch.randn(rows, generator=generator)
+        layer = constants.PanelLinear(constants.blocked(weight, bn), rows, bias)
+        assert torch.equal(layer.weight, weight)
+        x = torch.randn(3, 19, inner, generator=generator)
+        out = layer(x)
+        torch.testing.assert_close(out, x @ weight.T + bias, atol=1e-4, rtol=1e-5)
+        assert all(torch.equal(layer(x[1, i : i + 1]), out[1, i : i + 1]) for i in range(19))
+        assert torch.equal(layer(x[2, 3:9]), out[2, 3:9])
+
+
+@pytest.mark.slow
+def test_a_model_mapped_from_its_file_holds_its_decoder_weights_once_when_compiled(tokenizer, monkeypatch, tmp_path):
+    """A model loaded from safetensors (its weights mapped from the file): once its pass is compiled with the
+    templates, the pages of the decoder layers' linear weights are no longer in the process (the blocks hold them),
+    the embedding's are; greedy decoding is as before."""
+    if not kernels():
+        pytest.skip("no AVX2 here: mtp's kernels are not built, and layers keep their weights")
+    monkeypatch.setenv("MTP_CACHE", str(tmp_path))
+    tiny_model(seed=4, hidden_size=256, intermediate_size=1024).save_pretrained(tmp_path / "base")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
+    expected = reference(model, prompt, 16)
+    linears = [m.weight for m in model.model.layers.modules() if type(m) is nn.Linear]
+    spans = [(w.data_ptr(), w.data_ptr() + w.nbytes) for w in linears]
+    assert sum(end - start for start, end in spans) == 2 * 4 * (2 * 256 * 256 + 2 * 128 * 256 + 3 * 256 * 1024)
+
+    def resident(start: int, end: int) -> int:  # bytes of the whole pages of [start, end) present in memory
+        page = mmap.PAGESIZE
+        first, last = -(-start // page), end // page
+        with open("/proc/self/pagemap", "rb") as pagemap:
+            pagemap.seek(first * 8)
+            entries = struct.unpack(f"{last - first}Q", pagemap.read(8 * (last - first)))
+        return page * sum(entry >> 63 for entry in entries)
+
+    before = sum(resident(*span) for span in spans)
+    compiled = CompiledPass(Target(model), buckets=(1, 4), length=64)
+    compiled.warm_up()
+    del linears
+    after = sum(resident(*span) for span in spans)
+    embedding = model.get_input_embeddings().weight
+    assert before >= 0.9 * sum(end - start for start, end in spans) and after <= 0.02 * before
+    assert resident(embedding.data_ptr(), embedding.data_ptr() + embedding.nbytes) > 0.9 * embedding.nbytes
+    oracle = OracleHeads(model, torch.cat([prompt[0], torch.tensor(expected)]), num_heads=3)
+    result = Decoder(model, tokenizer, oracle, SMALL, compiled=compiled).generate(PROMPT, 16)
+    assert result.token_ids == expected
 
 
 @pytest.mark.slow
@@ -163,13 +232,16 @@ def test_a_quantized_base_compiles_to_its_eager_logits_and_reads_its_blocks_in_p
     assert result.token_ids == reference(model, tokenizer(PROMPT, return_tensors="pt").input_ids, 24)
 
 
-def test_a_constant_the_package_reports_and_was_not_recorded_is_refused():
+def test_a_constant_the_package_reports_and_was_not_recorded_is_refused(tmp_path):
     """AOTInductor's loader only warns of a constant left out (a pass would then read nothing): mtp refuses it, and
-    the load falls back to eager steps (`compile_pass`). A reported name shared by several constants is their base."""
-    one = torch.ones(1)
-    constants.check(["a.b", "constant3"], {"a_b": one, "constant3": one, "constant3_0": one})
+    the load falls back to eager steps (`compile_pass`). A reported name shared by several constants is their base;
+    a recorded constant the package does not read is not supplied."""
+    package = tmp_path / "pass.pt2"
+    constants.save(package, {"a_b": ["x", "same", 0], "constant3_0": ["x", "t", 0], "unread": ["x", "t", 0]}, {})
+    recipes, _ = constants._read(package, ["a.b", "constant3"])
+    assert set(recipes) == {"a_b", "constant3_0"}
     with pytest.raises(RuntimeError, match=r"the package's constants \['constant4'\] were not recorded"):
-        constants.check(["a.b", "constant4"], {"a_b": one, "constant3": one})
+        constants._read(package, ["a.b", "constant4"])
 
 
 def test_the_templates_float_micro_kernel_is_mtps_on_the_torch_it_installs():

@@ -20,13 +20,14 @@ logits agree to rounding (tests/test_compiled.py), so greedy output is plain gre
 On a CPU the pass is exported (`torch.export`) once for all buckets, the node count a dimension of its inputs, and
 compiled ahead of time into one AOTInductor package, with the static cache's tensors as inputs that it writes in place.
 The weights are frozen while it compiles (so that inductor packs each linear weight into its template's blocks) but not
-kept in it: the package's constants are the model's own tensors, given to it at load (`mtp.decoding.constants`), so a
-process holds the weights as the model does plus the linear weights once in blocks. It is kept under mtp's cache folder
-(`passes/`, about 4 MB for SmolLM2), keyed by the machine, torch, transformers, the model's configuration and its
-weights, the buckets: the first load on a machine compiles (minutes), a later process loads it in seconds. A decoder
-compiles the buckets it can use (plain decoding: bucket 1 alone, `compile_pass`). A package runs no Python and checks no
-guards between kernels. Inductor's settings for it, and its patches of inductor's code
-generation (the linears kept matrix products of the frozen weights, the micro-kernel's accumulators in registers, 8
+kept in it: the package's constants are the model's own tensors, given to it at load (`mtp.decoding.constants`), and a
+decoder layer's linear whose weight the package reads in blocks alone then holds it in those blocks alone
+(`constants.PanelLinear`, whose eager products multiply by them in mtp's kernel): the process holds the weights once. It
+is kept under mtp's cache folder (`passes/`, about 4 MB for SmolLM2), keyed by the machine, torch, transformers, the
+model's configuration and its weights, the buckets: the first load on a machine compiles (minutes), a later process
+loads it in seconds. A decoder compiles the buckets it can use (plain decoding: bucket 1 alone, `compile_pass`). A
+package runs no Python and checks no guards between kernels. Inductor's settings for it, and its patches of inductor's
+code generation (the linears kept matrix products of the frozen weights, the micro-kernel's accumulators in registers, 8
 rows at once, the CPU's vector instructions checked once per machine), are in `mtp.internals`.
 """
 
@@ -297,9 +298,8 @@ class CompiledPass:
             del exported
             constants.free_memory()  # what compiling took
         package = internals.load_package(str(path))
-        self._constants = constants.supply(path, self._tensors)  # kept alive: the package reads them in place
-        constants.free_memory()  # what blocking the weights took
-        constants.check(package.get_constant_fqns(), self._constants)
+        reported = package.get_constant_fqns()
+        self._constants = constants.supply(path, self._tensors, reported, self._forward.backbone, "backbone")
         package.loader.update_constant_buffer(self._constants, False, True, True)  # (all of them, user-managed)
         self._package_loaded = package
         return package
@@ -331,12 +331,31 @@ class CompiledPass:
 
     @cached_property
     def _weights_digest(self) -> bytes:
-        """The weights as the packages' key holds them: each tensor's name and its sums over 64 stretches."""
-        sums = [
-            (name, torch.stack([part.sum(dtype=torch.float64) for part in weight.detach().reshape(-1).chunk(64)]))
-            for name, weight in self._forward.state_dict().items()
-        ]
-        return b"".join(name.encode() + each.cpu().numpy().tobytes() for name, each in sums)
+        """The weights as the packages' key holds them: each tensor's name and `_moments` of its values, which do not
+        change when a layer comes to hold its weight in blocks (`constants.PanelLinear`), so that a later pass over
+        the same model finds the package made before."""
+        parts = []
+        for name, tensor in sorted(self._tensors.items()):
+            parts.append(
+                f"{name.removesuffix('.blocks')}{'.weight' if name.endswith('.blocks') else ''} {_moments(tensor)}"
+            )
+        return "\n".join(parts).encode()
+
+
+MODULUS = 2_147_483_629  # a prime below 2^31: `_moments` sums exactly in 64-bit integers
+
+
+def _moments(tensor: torch.Tensor) -> tuple[int, int, int]:
+    """The sums of a tensor's values (their bits as integers) and of their squares and cubes, modulo MODULUS: exact,
+    so the same in any order of the values (a weight, or its blocks with rows of zeros added)."""
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
+    sums = [0, 0, 0]
+    for part in tensor.detach().reshape(-1).view(bits).split(1 << 20):
+        value = part.long() % MODULUS
+        square = value * value % MODULUS
+        for i, each in enumerate((value, square, square * value % MODULUS)):
+            sums[i] = (sums[i] + int(each.sum())) % MODULUS
+    return tuple(sums)
 
 
 def _compile(exported, path: str, settings: dict) -> str:
