@@ -16,6 +16,7 @@ import json
 import mmap
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -95,12 +96,12 @@ def supply(
         and forms.get(f"{prefix}.{path}.weight") == {"blocked"}
     }
     let_go = let_go if let_go and kernels() else {}
-    made = _blocks(recipes, tensors, let_go)
+    made = _blocks(recipes, tensors, let_go, lambda name: _weight(tensors, name, linears, prefix))
     for constant, (name, form, bn) in recipes.items():
         if form == "blocked":
             constants[constant] = made[name, bn]
         else:
-            weight = _weight(tensors, name).detach()
+            weight = _weight(tensors, name, linears, prefix).detach()
             constants[constant] = weight if form == "same" else weight.t()
     _hold_once(linears, let_go, made)
     return constants
@@ -138,17 +139,20 @@ def _read(package: Path, reported: list[str]) -> tuple[dict, dict]:
     return {name: recipe for name, recipe in recipes.items() if read(name)}, {n: v for n, v in saved.items() if read(n)}
 
 
-def _blocks(recipes: dict, tensors: dict[str, torch.Tensor], let_go: dict) -> dict[tuple[str, int], torch.Tensor]:
-    """Each linear weight that `recipes` read in blocks, by (name, columns a block): a layer's own where it holds
-    its weight so already (`PanelLinear`), else made into `_pages`; a weight in `let_go` handed back to the system
-    as soon as its blocks are made, where it lies in memory mapped from a file (a model loaded from safetensors)."""
+def _blocks(
+    recipes: dict, tensors: dict[str, torch.Tensor], let_go: dict, weight_of: Callable[[str], torch.Tensor]
+) -> dict[tuple[str, int], torch.Tensor]:
+    """Each linear weight that `recipes` read in blocks, by (name, columns a block): a layer's own where it holds its
+    weight so already (`PanelLinear`), else made into `_pages` from `weight_of(name)`; a weight in `let_go` handed back
+    to the system as soon as its blocks are made, where it lies in memory mapped from a file (a model loaded from
+    safetensors)."""
     made = {}
     for name, form, bn in recipes.values():
         held = tensors.get(name.removesuffix("weight") + "blocks") if name not in tensors else None
         if form == "blocked" and held is not None and held.shape[2] == bn:
             made[name, bn] = held
     wanted = list(dict.fromkeys((n, bn) for n, form, bn in recipes.values() if form == "blocked"))
-    weights = {name: _weight(tensors, name) for name, bn in wanted if (name, bn) not in made}
+    weights = {name: weight_of(name) for name, bn in wanted if (name, bn) not in made}
     files = _file_mappings()
     for dtype in {weight.dtype for weight in weights.values()}:
         keys = [(name, bn) for name, bn in wanted if name in weights and weights[name].dtype == dtype]
@@ -160,13 +164,12 @@ def _blocks(recipes: dict, tensors: dict[str, torch.Tensor], let_go: dict) -> di
     return made
 
 
-def _weight(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    """The tensor `name` of `tensors`; for a linear weight that its layer holds in blocks (`PanelLinear`), made
-    from them (a copy)."""
+def _weight(tensors: dict[str, torch.Tensor], name: str, linears: torch.nn.Module, prefix: str) -> torch.Tensor:
+    """The tensor `name` of `tensors`; for the weight of a layer of `linears` (named `prefix`) that holds it in
+    blocks (`PanelLinear`), made from them (a copy)."""
     if name in tensors:
         return tensors[name]
-    blocks = tensors[name.removesuffix("weight") + "blocks"]
-    return unblocked(blocks, blocks.shape[0] * blocks.shape[2])  # (rows past the layer's width are zero)
+    return linears.get_submodule(name.removeprefix(f"{prefix}.").removesuffix(".weight")).weight
 
 
 def unblocked(blocks: torch.Tensor, rows: int) -> torch.Tensor:
