@@ -521,15 +521,15 @@ def test_the_vector_instructions_checked_once_on_a_machine_are_trusted_while_the
     mtp keeps what the check found per machine and torch version and, later, skips the check while what the CPU
     reports picks the same set; a record of another set (a changed machine or compiler) checks again."""
     monkeypatch.setenv("MTP_CACHE", str(tmp_path))
-    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", None)
-    with inductor_config.patch({"cpp.vec_isa_ok": True}):
-        reported = str(pick_vec_isa())
-    key = f"{device_name('cpu')}, torch {torch.__version__}"
-    for recorded, settings in [(reported, {"cpp.vec_isa_ok": True}), ("another set", {})]:
-        (tmp_path / "vector_isa.json").write_text(json.dumps({key: recorded}))
-        assert internals._vector_isa() == settings
-    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", False)  # the user's own setting stays
-    assert internals._vector_isa() == {}
+    with inductor_config.patch({"cpp.vec_isa_ok": None}):  # (inductor's own patch: undone whole, for later tests)
+        with inductor_config.patch({"cpp.vec_isa_ok": True}):
+            reported = str(pick_vec_isa())
+        key = f"{device_name('cpu')}, torch {torch.__version__}"
+        for recorded, settings in [(reported, {"cpp.vec_isa_ok": True}), ("another set", {})]:
+            (tmp_path / "vector_isa.json").write_text(json.dumps({key: recorded}))
+            assert internals._vector_isa() == settings
+    with inductor_config.patch({"cpp.vec_isa_ok": False}):  # the user's own setting stays
+        assert internals._vector_isa() == {}
 
 
 def test_two_threads_decoding_with_one_decoder_each_answer_as_plain_greedy(model, compiled, tokenizer):

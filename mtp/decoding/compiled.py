@@ -33,6 +33,7 @@ rows at once, the CPU's vector instructions checked once per machine), are in `m
 
 import hashlib
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -334,12 +335,8 @@ class CompiledPass:
         """The weights as the packages' key holds them: each tensor's name and `_moments` of its values, which do not
         change when a layer comes to hold its weight in blocks (`constants.PanelLinear`), so that a later pass over
         the same model finds the package made before."""
-        parts = []
-        for name, tensor in sorted(self._tensors.items()):
-            parts.append(
-                f"{name.removesuffix('.blocks')}{'.weight' if name.endswith('.blocks') else ''} {_moments(tensor)}"
-            )
-        return "\n".join(parts).encode()
+        named = {re.sub(r"\.blocks$", ".weight", name): tensor for name, tensor in self._tensors.items()}
+        return "\n".join(f"{name} {_moments(tensor)}" for name, tensor in sorted(named.items())).encode()
 
 
 MODULUS = 2_147_483_629  # a prime below 2^31: `_moments` sums exactly in 64-bit integers
